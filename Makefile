@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.stagerl-installed
+# DeepSpeed JIT-builds a C++ comm op for CPU ranks; build it once, inside the checkout.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+DS_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test demo clean-venv
+
+# torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+$(DS_OP): $(STAMP)
+	$(PY) -m stages.deepspeed_ops
+
+install: $(STAMP) $(DS_OP)
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(PY) -m flows.demo
+
+clean-venv:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,296 @@
+"""The batch plan: one pure function from a resolved config to every size a stage uses.
+
+verl's semantics exactly (reference/verl-semantics.md §1.2-§1.5, legacy FSDP workers): sizes in
+the config are prompts; `ppo_mini_batch_size × rollout.n ÷ dp` (floor) is the per-rank mini-batch
+in rows; `*_per_gpu` values are never rescaled; deprecated global micro sizes are floor-divided by
+dp. Stricter than verl: everything verl only finds at run time (or silently gets wrong) is refused
+here, with the keys, the numbers, the reason, and values that work (configs/suggest.py)."""
+from __future__ import annotations
+
+from math import ceil
+from typing import Any
+
+from configs.loader import get_path
+from configs.schema import ConfigError
+
+ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
+REF = "actor_rollout_ref.ref"
+GPUS, NODES = "trainer.n_gpus_per_node", "trainer.nnodes"
+TBS, N = "data.train_batch_size", "actor_rollout_ref.rollout.n"
+
+
+class PlanError(ConfigError):
+    """A refused config. `keys` are the keys whose values could fix it (for suggestions)."""
+
+    def __init__(self, message: str, keys: tuple = ()):
+        super().__init__(message)
+        self.reason = message
+        self.keys = tuple(keys)
+        self.suggestions: dict[str, list] = {}
+
+    def __str__(self) -> str:
+        if not self.suggestions:
+            return self.reason
+        tries = "; ".join(f"{k}=" + " or ".join(_fmt(v) for v in vs) for k, vs in self.suggestions.items())
+        return f"{self.reason}\n  values that work (changing one key): {tries}"
+
+
+def _fmt(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def uses_critic(cfg: dict) -> bool:
+    """verl: critic.enable when set, else only for GAE (reference §2, Setup)."""
+    enable = get_path(cfg, "critic.enable")
+    return bool(enable) if enable is not None else get_path(cfg, "algorithm.adv_estimator") == "gae"
+
+
+def uses_ref(cfg: dict) -> bool:
+    """verl: a reference policy iff KL in reward or KL loss."""
+    return bool(get_path(cfg, "algorithm.use_kl_in_reward") or get_path(cfg, f"{ACTOR}.use_kl_loss"))
+
+
+def _one_micro(cfg, role: str, deprecated: str, per_gpu: str) -> None:
+    """verl: without dynamic batch size exactly one of the global / per-GPU micro sizes is set."""
+    old, new = get_path(cfg, deprecated), get_path(cfg, per_gpu)
+    if old is None and new is None:
+        raise PlanError(f"[{role}] Please set at least one of '{deprecated}' or '{per_gpu}' if "
+                        f"use_dynamic_bsz is not enabled.", (per_gpu,))
+    if old is not None and new is not None:
+        raise PlanError(f"[{role}] You have set both '{deprecated}' AND '{per_gpu}'. Please remove "
+                        f"'{deprecated}' because only '*_per_gpu' is supported (the former is deprecated).",
+                        (deprecated,))
+
+
+def _normalise_deprecated(value, dp: int, key: str, divisor_name: str):
+    """verl: a deprecated global size is floor-divided by dp; a result of 0 is refused here."""
+    if value is None:
+        return None
+    per_gpu = value // dp
+    if per_gpu <= 0:
+        raise PlanError(f"{key}={value} normalises to {value} // {divisor_name} {dp} = 0 rows per rank "
+                        f"(verl would fail later splitting the batch into chunks of 0)", (key, GPUS))
+    return per_gpu
+
+
+def _check_budget(key: str, budget_per_gpu: int, sp: int, seq_len: int) -> int:
+    budget = budget_per_gpu * sp
+    if budget < seq_len:
+        raise PlanError(f"{key}={budget_per_gpu} (× sp {sp} = {budget} tokens) is below max_prompt_length + "
+                        f"max_response_length = {seq_len}: a full-length row would not fit in a micro-batch "
+                        f"(verl: 'max_token_len must be greater than the sequence length')", (key,))
+    return budget
+
+
+def _check_sp(cfg, what: str, sp_key: str, padding_key: str, world: int) -> int:
+    sp = get_path(cfg, sp_key)
+    if sp <= 0 or world % sp:
+        raise PlanError(f"{sp_key} ({sp}) must divide the world size ({world}): a sequence-parallel group "
+                        f"needs whole ranks", (sp_key, GPUS))
+    if sp > 1 and not get_path(cfg, padding_key):
+        raise PlanError(f"When using sequence parallelism for {what}, you must enable `use_remove_padding` "
+                        f"({padding_key}=true)", (padding_key,))
+    return sp
+
+
+def _train_role(cfg, role: str, prefix: str, world: int, seq_len: int) -> dict:
+    """Actor or critic: the normalisation of fsdp_workers.py (reference §1.3), then stricter checks."""
+    tbs, n = get_path(cfg, TBS), get_path(cfg, N)
+    model = "actor_rollout_ref.model" if role == "actor" else "critic.model"
+    sp = _check_sp(cfg, "critic" if role == "critic" else "actor/ref policy",
+                   f"{prefix}.ulysses_sequence_parallel_size", f"{model}.use_remove_padding", world)
+    dp = world // sp
+    dynamic = get_path(cfg, f"{prefix}.use_dynamic_bsz")
+    mini_key, epochs_key = f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_epochs"
+    micro_old_key, micro_key = f"{prefix}.ppo_micro_batch_size", f"{prefix}.ppo_micro_batch_size_per_gpu"
+    mini = get_path(cfg, mini_key)
+    rows = tbs * n
+    if not dynamic:
+        _one_micro(cfg, role, micro_old_key, micro_key)
+        if tbs < mini:
+            raise PlanError(f"train_batch_size ({tbs}) must be >= {role}.ppo_mini_batch_size ({mini})", (mini_key, TBS))
+        old = get_path(cfg, micro_old_key)
+        if old is not None:
+            if mini % old != 0:
+                raise PlanError(f"ppo_mini_batch_size ({mini}) must be divisible by ppo_micro_batch_size ({old})",
+                                (micro_old_key,))
+            if old * sp < world:
+                raise PlanError(f"ppo_micro_batch_size ({old}) * ulysses_sequence_parallel_size ({sp}) must be "
+                                f">= n_gpus ({world})", (micro_old_key,))
+    if mini <= 0 or tbs % mini != 0:
+        raise PlanError(f"{TBS} ({tbs}) is not a multiple of {mini_key} ({mini}): the last mini-batch would "
+                        f"be short and under-weighted (verl does not check this)", (mini_key, TBS))
+    if (mini * n) % dp != 0:
+        raise PlanError(f"{mini_key} × rollout.n = {mini} × {n} = {mini * n} rows is not divisible by the "
+                        f"data-parallel size {dp}: verl floor-divides to {mini * n // dp} rows per rank and the "
+                        f"rows no longer form whole mini-batches", (mini_key, GPUS, N))
+    mini_per_gpu = mini * n // dp  # > 0: mini * n is a positive multiple of dp
+    micro = _normalise_deprecated(get_path(cfg, micro_old_key), dp, micro_old_key, "dp")
+    if micro is None:
+        micro = get_path(cfg, micro_key)
+    rows_per_rank = rows // dp
+    if micro is not None:
+        if mini_per_gpu % micro != 0:
+            raise PlanError(f"normalized ppo_mini_batch_size {mini_per_gpu} should be divisible by "
+                            f"ppo_micro_batch_size_per_gpu {micro} ({mini_key} {mini} × rollout.n {n} ÷ dp {dp} "
+                            f"= {mini_per_gpu} rows per rank, {micro_key} = {micro})", (micro_key, GPUS, mini_key))
+    epochs = get_path(cfg, epochs_key)
+    if epochs < 1:
+        raise PlanError(f"{epochs_key}={epochs}: at least one pass over the rows is needed", (epochs_key,))
+    budget = None
+    if dynamic:
+        budget = _check_budget(f"{prefix}.ppo_max_token_len_per_gpu",
+                               get_path(cfg, f"{prefix}.ppo_max_token_len_per_gpu"), sp, seq_len)
+    num_mini = ceil(rows_per_rank / mini_per_gpu)
+    return {
+        "dp_size": dp, "sp_size": sp,
+        "samples_per_dp_rank": rows_per_rank,
+        "ppo_mini_batch_size_per_gpu": mini_per_gpu,
+        "ppo_micro_batch_size_per_gpu": micro,
+        "grad_accum_steps": None if dynamic else mini_per_gpu // micro,
+        "num_mini_batches": num_mini,
+        "ppo_epochs": epochs,
+        "optimizer_steps_per_step": num_mini * epochs,
+        "on_policy": num_mini == 1 and epochs == 1,
+        "use_dynamic_bsz": bool(dynamic),
+        "max_token_len_per_micro_batch": budget,
+    }
+
+
+def _log_prob_role(cfg, role: str, prefix: str, dp: int, sp: int, rows_per_rank: int,
+                   seq_len: int, check_micro: bool) -> dict:
+    """Old/ref log-prob (or critic values) forward passes per rank (reference §1.3, §1.5)."""
+    old_key, key = f"{prefix}.log_prob_micro_batch_size", f"{prefix}.log_prob_micro_batch_size_per_gpu"
+    dynamic = get_path(cfg, f"{prefix}.log_prob_use_dynamic_bsz")
+    if check_micro:  # verl gates this on the *actor's* use_dynamic_bsz
+        _one_micro(cfg, role, old_key, key)
+    micro = _normalise_deprecated(get_path(cfg, old_key), dp, old_key, "dp")
+    if micro is None:
+        micro = get_path(cfg, key)
+    budget = None
+    if dynamic:
+        budget = _check_budget(f"{prefix}.log_prob_max_token_len_per_gpu",
+                               get_path(cfg, f"{prefix}.log_prob_max_token_len_per_gpu"), sp, seq_len)
+    elif micro is None:
+        raise PlanError(f"[{role}] set '{key}' (rows per forward per rank) or enable {prefix}.log_prob_use_dynamic_bsz",
+                        (key,))
+    return {
+        "log_prob_micro_batch_size_per_gpu": micro,
+        "log_prob_micro_batches_per_rank": None if dynamic else ceil(rows_per_rank / micro),
+        "log_prob_use_dynamic_bsz": bool(dynamic),
+        "log_prob_max_token_len_per_gpu": budget,
+    }
+
+
+def _rollout(cfg, world: int, seq_len: int, warnings: list) -> dict:
+    tp_key = f"{ROLLOUT}.tensor_model_parallel_size"
+    tp, rdp = get_path(cfg, tp_key), get_path(cfg, f"{ROLLOUT}.data_parallel_size")
+    infer_world = tp * rdp * get_path(cfg, f"{ROLLOUT}.pipeline_model_parallel_size")
+    if infer_world <= 0 or world % infer_world != 0:
+        raise PlanError(f"rollout world_size: {world} is not divisible by infer_world_size: {infer_world} "
+                        f"({tp_key} {tp} × data_parallel_size {rdp}): every engine needs whole ranks",
+                        (tp_key, GPUS))
+    replicas = world // infer_world
+    tbs, n = get_path(cfg, TBS), get_path(cfg, N)
+    per_replica = ceil(tbs / replicas)
+    if tbs % replicas:
+        warnings.append(f"{tbs} prompts do not split evenly over {replicas} rollout replicas: "
+                        f"{tbs // replicas}-{per_replica} prompts each")
+    if get_path(cfg, f"{ROLLOUT}.name") == "vllm":
+        max_model_len = get_path(cfg, f"{ROLLOUT}.max_model_len") or seq_len
+        if max_model_len < seq_len:
+            raise PlanError(f"{ROLLOUT}.max_model_len={max_model_len} is below max_prompt_length + "
+                            f"max_response_length = {seq_len}", (f"{ROLLOUT}.max_model_len",))
+        batched = get_path(cfg, f"{ROLLOUT}.max_num_batched_tokens")
+        if not get_path(cfg, f"{ROLLOUT}.enable_chunked_prefill") and batched < max_model_len:
+            raise PlanError(f"{ROLLOUT}.max_num_batched_tokens={batched} is below the model length {max_model_len} "
+                            f"(max_prompt_length + max_response_length) with enable_chunked_prefill=false: vLLM "
+                            f"could not schedule a full-length prompt", (f"{ROLLOUT}.max_num_batched_tokens",))
+    elif tp > 1:
+        warnings.append(f"the hf engine does not shard a model: each of the {replicas} replicas generates on "
+                        f"one process ({tp_key}={tp} only sets how many ranks a replica spans)")
+    workers = get_path(cfg, f"{ROLLOUT}.agent.num_workers")
+    if workers and (tbs * n) % workers:
+        warnings.append(f"{tbs * n} rows are not divisible by {ROLLOUT}.agent.num_workers={workers}: verl would "
+                        f"fail at generation ('only support equal chunk'); stagerl does not chunk by agent workers")
+    return {"tensor_model_parallel_size": tp, "data_parallel_size": rdp, "num_replicas": replicas,
+            "prompts_per_replica": per_replica, "rows_per_replica": per_replica * n}
+
+
+def compute_plan(cfg: dict) -> dict:
+    """Resolved config -> batch plan (raises PlanError, without suggestions; see make_plan)."""
+    world = get_path(cfg, GPUS) * get_path(cfg, NODES)
+    if world <= 0:
+        raise PlanError(f"world size {world} = {NODES} × {GPUS} must be at least 1", (GPUS,))
+    tbs, n = get_path(cfg, TBS), get_path(cfg, N)
+    if tbs <= 0 or n <= 0:
+        raise PlanError(f"{TBS} ({tbs}) and {N} ({n}) must be positive", (TBS, N))
+    seq_len = get_path(cfg, "data.max_prompt_length") + get_path(cfg, "data.max_response_length")
+    rows = tbs * n
+    warnings: list[str] = []
+    sp = _check_sp(cfg, "actor/ref policy", f"{ACTOR}.ulysses_sequence_parallel_size",
+                   "actor_rollout_ref.model.use_remove_padding", world)
+    actor_dynamic = get_path(cfg, f"{ACTOR}.use_dynamic_bsz")
+    if not actor_dynamic and rows % world:
+        raise PlanError(f"real_train_batch_size ({rows} = {TBS} {tbs} × {N} {n}) must be divisible by minimal "
+                        f"possible batch size ({world} = {NODES} × {GPUS}): every rank needs the same number of rows",
+                        (GPUS, TBS, N))
+    dp = world // sp
+    if rows % dp:
+        raise PlanError(f"{rows} rows ({TBS} {tbs} × {N} {n}) are not divisible by the data-parallel size {dp} "
+                        f"(world {world} ÷ sp {sp}): ranks would get unequal rows", (GPUS, TBS, N))
+    actor = _train_role(cfg, "actor", ACTOR, world, seq_len)
+    rows_per_rank = rows // dp
+    rollout = _rollout(cfg, world, seq_len, warnings)
+    rollout.update(_log_prob_role(cfg, "actor_rollout_ref.rollout", ROLLOUT, dp, sp, rows_per_rank, seq_len,
+                                  check_micro=not actor_dynamic))
+    ref = None
+    if uses_ref(cfg):
+        ref = _log_prob_role(cfg, "actor_rollout_ref.ref", REF, dp, sp, rows_per_rank, seq_len,
+                             check_micro=not actor_dynamic)
+    critic = None
+    if uses_critic(cfg):
+        critic = _critic(cfg, world, seq_len)
+    reward_model = _reward_model(cfg, world, rows) if get_path(cfg, "reward_model.enable") else None
+    return {
+        "n_gpus": world, "nnodes": get_path(cfg, NODES), "n_gpus_per_node": get_path(cfg, GPUS),
+        "prompts_per_step": tbs, "rollout_n": n, "rows_per_step": rows,
+        "max_seq_len": seq_len,
+        "actor": actor, "critic": critic, "rollout": rollout, "ref": ref, "reward_model": reward_model,
+        "warnings": warnings,
+    }
+
+
+def _critic(cfg, world: int, seq_len: int) -> dict:
+    critic = _train_role(cfg, "critic", "critic", world, seq_len)
+    dp, rows_per_rank = critic["dp_size"], critic["samples_per_dp_rank"]
+    fwd = _normalise_deprecated(get_path(cfg, "critic.forward_micro_batch_size"), dp,
+                                "critic.forward_micro_batch_size", "dp")
+    if fwd is None:
+        fwd = get_path(cfg, "critic.forward_micro_batch_size_per_gpu")
+    dynamic = critic["use_dynamic_bsz"]
+    if not dynamic and not fwd:
+        raise PlanError("critic.forward_micro_batch_size_per_gpu is null: the value forward needs rows per "
+                        "rank (it follows critic.ppo_micro_batch_size_per_gpu unless set)",
+                        ("critic.forward_micro_batch_size_per_gpu",))
+    critic["forward_micro_batch_size_per_gpu"] = fwd
+    critic["value_forward_passes_per_rank"] = None if dynamic else ceil(rows_per_rank / fwd)
+    critic["forward_max_token_len_per_gpu"] = (
+        _check_budget("critic.forward_max_token_len_per_gpu", get_path(cfg, "critic.forward_max_token_len_per_gpu"),
+                      critic["sp_size"], seq_len) if dynamic else None)
+    return critic
+
+
+def _reward_model(cfg, world: int, rows: int) -> dict:
+    """verl: reward_model.micro_batch_size //= world (not ÷ sp)."""
+    dynamic = get_path(cfg, "reward_model.use_dynamic_bsz")
+    if not dynamic:
+        _one_micro(cfg, "reward_model", "reward_model.micro_batch_size", "reward_model.micro_batch_size_per_gpu")
+    micro = _normalise_deprecated(get_path(cfg, "reward_model.micro_batch_size"), world,
+                                  "reward_model.micro_batch_size", "world")
+    if micro is None:
+        micro = get_path(cfg, "reward_model.micro_batch_size_per_gpu")
+    per_rank = rows // world
+    return {"micro_batch_size_per_gpu": micro, "use_dynamic_bsz": bool(dynamic),
+            "forward_passes_per_rank": None if dynamic or not micro else ceil(per_rank / micro)}

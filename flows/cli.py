@@ -1,0 +1,31 @@
+"""The `stagerl` command line. Each subcommand lives in its own flows/cmd_*.py module with
+`register(subparsers)`; that function adds a parser and sets `func(args) -> int` as its default.
+Modules import heavy libraries (torch, transformers, prefect) inside their functions, so
+`stagerl plan` answers without loading a model framework."""
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = [
+    "flows.cmd_plan",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stagerl",
+        description="RL post-training of LLMs as a pipeline of inspectable, resumable stages.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""`stagerl plan` (the batch-size derivation, level by level) and `stagerl config` (show the
+resolved config, list every key)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import yaml
+
+
+def add_config_args(parser) -> None:
+    """--config NAME and trailing dotted overrides: shared by every command that loads a config."""
+    parser.add_argument("--config", default=None,
+                        help="config name in configs/ (default: tiny-cpu; 'base' = verl's defaults) or a YAML path")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides as in verl/Hydra: a.b=c, +a.b=c (add), ++a.b=c, ~a.b (delete)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="print the batch plan (prompts -> rows -> per-rank mini/micro-batches)")
+    add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run_plan)
+    c = subparsers.add_parser("config", help="show the resolved config, or list every key")
+    c.add_argument("what", choices=["show", "keys"], help="show: resolved YAML; keys: every key with its doc")
+    add_config_args(c)
+    c.set_defaults(func=run_config)
+
+
+def run_config(args) -> int:
+    from configs.loader import load_config
+    from configs.schema import ConfigError, config_reference
+
+    if args.what == "keys":
+        print(config_reference())
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"stagerl config: {err}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(dict(cfg), sort_keys=False), end="")
+    for w in cfg.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+def run_plan(args) -> int:
+    from configs.loader import load_config
+    from configs.schema import ConfigError
+    from configs.suggest import make_plan
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = make_plan(cfg)
+    except ConfigError as err:
+        print(f"stagerl plan: config refused: {err}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": str(err), "suggestions": getattr(err, "suggestions", {})}))
+        return 2
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print(render_plan(plan, cfg))
+    return 0
+
+
+def _line(label: str, value, formula: str = "") -> str:
+    return f"  {label:<34}{str(value):>7}   {formula}"
+
+
+def render_plan(plan: dict, cfg) -> str:
+    """The derivation, level by level, each number beside its formula."""
+    a, r = plan["actor"], plan["rollout"]
+    n, tbs, world = plan["rollout_n"], plan["prompts_per_step"], plan["n_gpus"]
+    src = cfg.source + (f" + {len(cfg.overrides)} override(s)" if cfg.overrides else "")
+    out = [f"Batch plan ({src})",
+           _line("world (ranks)", world, f"= trainer.nnodes {plan['nnodes']} × n_gpus_per_node {plan['n_gpus_per_node']}"),
+           "L1 prompts",
+           _line("prompts per step", tbs, "= data.train_batch_size"),
+           "L2 rows (prompt + response)",
+           _line("rows per step", plan["rows_per_step"], f"= {tbs} prompts × rollout.n {n}"),
+           _line("data-parallel size", a["dp_size"], f"= world {world} ÷ ulysses sp {a['sp_size']}"),
+           _line("rows per rank", a["samples_per_dp_rank"], f"= {plan['rows_per_step']} ÷ dp {a['dp_size']}"),
+           "L3 actor mini-batch (one optimizer step)"]
+    out += _train_lines(a, n, "actor.ppo_mini_batch_size")
+    out.append("L4 actor micro-batches (one forward/backward)")
+    out += _micro_lines(a)
+    out += ["Rollout",
+            _line("replicas", r["num_replicas"],
+                  f"= world {world} ÷ (TP {r['tensor_model_parallel_size']} × rollout dp {r['data_parallel_size']})"),
+            _line("prompts per replica", r["prompts_per_replica"], f"= ceil({tbs} ÷ {r['num_replicas']})"),
+            _line("rows per replica", r["rows_per_replica"], f"= {r['prompts_per_replica']} × n {n}")]
+    out += _log_prob_lines("old log-prob (rollout.log_prob_*)", r, a["samples_per_dp_rank"])
+    if plan["ref"]:
+        out += _log_prob_lines("reference log-prob (ref.log_prob_*)", plan["ref"], a["samples_per_dp_rank"])
+    else:
+        out.append("Reference: not needed (no KL loss, no KL in reward)")
+    c = plan["critic"]
+    if c:
+        out.append("Critic (value model)")
+        out += _train_lines(c, n, "critic.ppo_mini_batch_size") + _micro_lines(c)
+        if c["value_forward_passes_per_rank"]:
+            out.append(_line("value forward passes per rank", c["value_forward_passes_per_rank"],
+                             f"= ceil({c['samples_per_dp_rank']} ÷ forward micro {c['forward_micro_batch_size_per_gpu']})"))
+    else:
+        out.append("Critic: not used (adv_estimator is not gae and critic.enable is not set)")
+    if plan["reward_model"]:
+        rm = plan["reward_model"]
+        out.append(_line("reward-model micro per rank", rm["micro_batch_size_per_gpu"], ""))
+    for w in plan["warnings"]:
+        out.append(f"warning: {w}")
+    return "\n".join(out)
+
+
+def _train_lines(role: dict, n: int, key: str) -> list[str]:
+    mini, dp = role["ppo_mini_batch_size_per_gpu"], role["dp_size"]
+    lines = [_line("mini-batch per rank (rows)", mini, f"= {key} × n {n} ÷ dp {dp} (floor)"),
+             _line("mini-batches per step", role["num_mini_batches"],
+                   f"= ceil({role['samples_per_dp_rank']} rows per rank ÷ {mini})"),
+             _line("optimizer steps per step", role["optimizer_steps_per_step"],
+                   f"= {role['num_mini_batches']} × ppo_epochs {role['ppo_epochs']}")]
+    if role["on_policy"]:
+        lines.append("  (one mini-batch, one epoch: verl's on-policy shortcut, ratio = 1 in the loss)")
+    return lines
+
+
+def _micro_lines(role: dict) -> list[str]:
+    if role["use_dynamic_bsz"]:
+        return [_line("token budget per micro-batch", role["max_token_len_per_micro_batch"],
+                      "= ppo_max_token_len_per_gpu × sp (micro-batch count varies with lengths)")]
+    micro = role["ppo_micro_batch_size_per_gpu"]
+    return [_line("micro-batch per rank (rows)", micro, "= ppo_micro_batch_size_per_gpu"),
+            _line("micro-batches (grad accumulation)", role["grad_accum_steps"],
+                  f"= {role['ppo_mini_batch_size_per_gpu']} ÷ {micro}; each loss × 1/{role['grad_accum_steps']}")]
+
+
+def _log_prob_lines(title: str, lp: dict, rows_per_rank: int) -> list[str]:
+    if lp["log_prob_use_dynamic_bsz"]:
+        return [title, _line("token budget per forward", lp["log_prob_max_token_len_per_gpu"],
+                             "= log_prob_max_token_len_per_gpu × sp")]
+    micro = lp["log_prob_micro_batch_size_per_gpu"]
+    return [title,
+            _line("micro-batch per rank (rows)", micro, "= log_prob_micro_batch_size_per_gpu (never rescaled)"),
+            _line("forward passes per rank", lp["log_prob_micro_batches_per_rank"], f"= ceil({rows_per_rank} ÷ {micro})")]

@@ -1,0 +1,141 @@
+"""Config loading: base.yaml + config file + Hydra-style overrides, checked against the schema
+that base.yaml's comments declare."""
+import pytest
+
+from configs.loader import get_path, load_config, parse_value
+from configs.schema import ConfigError, load_schema, parse_schema_text
+from flows.cli import main
+
+
+def refused(overrides, config=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, overrides)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("1e-6", 1e-6), ("3", 3), ("0.5", 0.5), ("True", True), ("false", False), ("null", None),
+    ("[console,wandb]", ["console", "wandb"]), ("['console','wandb']", ["console", "wandb"]),
+    ("'error'", "error"), ("abc", "abc"), ("", ""), ("[0.9, 1e-3]", [0.9, 1e-3]), ("-2", -2),
+])
+def test_override_values_parse_as_hydra_does(text, value):
+    assert parse_value(text) == value and type(parse_value(text)) is type(value)
+
+
+def test_every_key_has_a_doc_and_a_type():
+    specs = load_schema().specs
+    assert len(specs) > 200
+    for path, spec in specs.items():
+        assert spec.doc, f"{path} has no one-line comment in base.yaml"
+        assert spec.types, f"{path} has no type"
+
+
+def test_schema_tags_parse():
+    schema = parse_schema_text("a:\n  b: null  # [int?] <deprecated> old size\n  c: x  # {x|y} <inert> pick\n")
+    b, c = schema.specs["a.b"], schema.specs["a.c"]
+    assert (b.types, b.nullable, b.deprecated, b.doc) == ((int,), True, True, "old size")
+    assert (c.choices, c.inert, c.doc) == (("x", "y"), True, "pick")
+    with pytest.raises(ConfigError, match="needs a type tag"):
+        parse_schema_text("a: null  # no tag\n")
+
+
+def test_overrides_set_add_delete_and_interpolate():
+    cfg = load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=30",
+                             "actor_rollout_ref.actor.optim.lr=1e-6",
+                             "+data.apply_chat_template_kwargs.enable_thinking=false",
+                             "++trainer.seed=7"])
+    assert cfg["critic"]["ppo_mini_batch_size"] == 30  # follows the actor's through ${...}
+    assert cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-6
+    assert cfg["data"]["apply_chat_template_kwargs"] == {"enable_thinking": False}
+    assert cfg["trainer"]["seed"] == 7
+    cfg = load_config(None, ["~trainer.total_training_steps"])
+    assert get_path(cfg, "trainer.total_training_steps", "gone") == "gone"
+    assert load_config(None, ["~trainer.total_training_steps", "+trainer.total_training_steps=5"])["trainer"][
+        "total_training_steps"] == 5
+
+
+def test_ints_become_floats_and_single_logger_becomes_list():
+    cfg = load_config("base", ["actor_rollout_ref.actor.optim.lr=1", "trainer.logger=console"])
+    assert cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1.0
+    assert isinstance(cfg["actor_rollout_ref"]["actor"]["optim"]["lr"], float)
+    assert cfg["trainer"]["logger"] == ["console"]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["actor_rollout_ref.actor.ppo_mini_batchsize=4"], "did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'"),
+    (["actor_rollout_ref.ppo_mini_batch_size=4"], "'actor_rollout_ref.actor.ppo_mini_batch_size'"),
+    (["data.rollout_batch_size=4"], "unknown config key 'data.rollout_batch_size'"),
+    (["+data.rollout_batch_size=4"], "unknown config key"),
+    (["data.train_batch_size=many"], "data.train_batch_size: expected int, got str 'many'"),
+    (["data.train_batch_size=null"], "data.train_batch_size: null is not allowed"),
+    (["actor_rollout_ref.actor.use_kl_loss=3"], "expected bool"),
+    (["algorithm.adv_estimator=grpo_passk"], "'grpo_passk' is not one of"),
+    (["actor_rollout_ref.actor.loss_agg_mode=token-sum"], "'token-sum' is not one of"),
+    (["actor_rollout_ref.model.lora_rank=8"], "lora_rank=8: stagerl does not implement"),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=True: stagerl does not implement"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "'gspo' is not one of ['vanilla']"),
+    (["+data.train_batch_size=4"], "already in the config; use 'data.train_batch_size=4'"),
+    (["~trainer.total_training_steps", "trainer.total_training_steps=3"], "add it with '+trainer.total_training_steps=3'"),
+    (["~data.nothing"], "cannot delete 'data.nothing'"),
+    (["data"], "not of the form key=value"),
+    (["data=3"], "'data' is a group of keys"),
+    (["~data.train_batch_size"], "was deleted but is required"),
+    (["actor_rollout_ref.rollout.val_kwargs.do_sample=true"], "validation gen temperature should be greater than 0"),
+    (["actor_rollout_ref.actor.clip_ratio_c=1.0"], "should be greater than 1.0"),
+    (["trainer.logger=[console,slack]"], "'slack' is not one of"),
+])
+def test_bad_overrides_are_refused_by_name(overrides, needle):
+    assert needle in refused(overrides)
+
+
+def test_unknown_config_file_and_unknown_key_in_a_file(tmp_path):
+    assert "not found" in refused([], config="nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  train_batch_sise: 4\n")
+    msg = refused([], config=str(bad))
+    assert "data.train_batch_sise" in msg and "bad.yaml" in msg and "data.train_batch_size" in msg
+
+
+def test_config_file_on_top_of_base(tmp_path):
+    good = tmp_path / "mine.yaml"
+    good.write_text("data:\n  train_batch_size: 8\ntrainer:\n  n_gpus_per_node: 2\n")
+    cfg = load_config(str(good), ["data.max_prompt_length=16"])
+    assert (cfg["data"]["train_batch_size"], cfg["trainer"]["n_gpus_per_node"], cfg["data"]["max_prompt_length"]) == (8, 2, 16)
+    assert cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"  # untouched keys keep verl's default
+
+
+def test_inert_and_deprecated_keys_warn_and_aliases_map():
+    cfg = load_config(None, ["data.dataloader_num_workers=2", "actor_rollout_ref.actor.ppo_micro_batch_size=60",
+                             "actor_rollout_ref.fsdp_config.offload_params=true"])
+    text = "\n".join(cfg.warnings)
+    assert "data.dataloader_num_workers=2 is accepted and ignored" in text
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size is deprecated" in text
+    assert "'actor_rollout_ref.fsdp_config.offload_params' is not a verl key" in text
+    assert cfg["actor_rollout_ref"]["actor"]["fsdp_config"]["param_offload"] is True
+    assert cfg["actor_rollout_ref"]["ref"]["fsdp_config"]["param_offload"] is True
+    assert load_config(None, []).warnings == []
+
+
+def test_kl_notice_and_clip_ratio_as_verl():
+    cfg = load_config(None, ["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.clip_ratio=0.3"])
+    assert "NOTICE: You have both enabled in-reward kl and kl loss." in cfg.warnings
+    assert any("clip_ratio has no effect" in w for w in cfg.warnings)
+
+
+def test_shipped_configs_load_clean():
+    for name in ["base", "tiny-cpu", "gsm8k-qwen2.5-0.5b"]:
+        cfg = load_config(name)
+        assert cfg.warnings == [], name
+    tiny = load_config()
+    assert tiny["data"]["train_batch_size"] * tiny["actor_rollout_ref"]["rollout"]["n"] == 720
+    assert tiny["trainer"]["n_gpus_per_node"] == 2 and tiny["storage"]["root"] == "./runs"
+
+
+def test_cli_config_show_and_keys(capsys):
+    assert main(["config", "show", "data.train_batch_size=12"]) == 0
+    assert "train_batch_size: 12" in capsys.readouterr().out
+    assert main(["config", "keys"]) == 0
+    out = capsys.readouterr().out
+    assert "| `data.train_batch_size` | `1024` | prompts per RL step" in out
+    assert main(["config", "show", "data.nope=1"]) == 2
+    assert "unknown config key 'data.nope'" in capsys.readouterr().err
