@@ -8,6 +8,8 @@ import sys
 
 COMMAND_MODULES = [
     "flows.cmd_plan",
+    "flows.cmd_model",
+    "flows.cmd_data",
 ]
 
 
