@@ -1,0 +1,158 @@
+"""Custom reward functions (verl's custom_reward_function) scored in worker processes with timeouts."""
+import textwrap
+import time
+
+import pytest
+
+from stages.reward_fns import (
+    RewardFnSpec, RewardFunctionNotFound, RewardScoringError, load_reward_fn, normalise_result,
+    score_batch)
+
+REWARD_FILE = textwrap.dedent('''
+    import os, time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        if ground_truth == "boom":
+            raise ValueError(f"cannot score row {extra_info['index']}")
+        if ground_truth == "hang":
+            time.sleep(60)
+        if ground_truth == "die":
+            os._exit(3)
+        if ground_truth == "nan":
+            return float("nan")
+        return 1.0 if solution_str.strip() == ground_truth else 0.0
+
+    def with_details(data_source, solution_str, ground_truth, extra_info, bonus=0.0):
+        correct = solution_str == ground_truth
+        return {"score": float(correct) + bonus, "acc": correct, "length": len(solution_str),
+                "source": data_source}
+''')
+
+
+def make_row(index, solution, truth, source="custom/task"):
+    return {"data_source": source, "solution_str": solution, "ground_truth": truth,
+            "extra_info": {"index": index}}
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    return str(path)
+
+
+def test_raising_and_hanging_rows_score_zero_and_are_counted(reward_file):
+    truths = ["7", "boom", "8", "hang", "9", "boom", "10"]
+    solutions = ["7", "x", "0", "x", "9", "x", "10"]
+    rows = [make_row(i, s, t) for i, (s, t) in enumerate(zip(solutions, truths))]
+    started = time.monotonic()
+    results, metrics = score_batch(rows, {"path": reward_file}, num_workers=2, timeout_s=1.5)
+    elapsed = time.monotonic() - started
+
+    assert [r["score"] for r in results] == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert [r["error"] is None for r in results] == [True, False, True, False, True, False, True]
+    assert results[1]["error"].startswith("ValueError: cannot score row 1 (at my_reward.py:")
+    assert "cannot score row 5" in results[5]["error"]
+    assert results[3]["error"].startswith("timeout") and "1.5s" in results[3]["error"]
+    assert all(r["acc"] is None and r["extras"] == {} for r in results)   # scalar results carry no acc
+    assert metrics == {"reward/errors": 2.0, "reward/timeouts": 1.0, "reward/rows": 7.0}
+    assert elapsed < 20, f"a hung scorer held the batch for {elapsed:.1f}s"
+
+
+def test_dead_worker_and_bad_values_are_row_errors(reward_file):
+    rows = [make_row(0, "1", "die"), make_row(1, "1", "nan"), make_row(2, "3", "3")]
+    results, metrics = score_batch(rows, RewardFnSpec(path=reward_file), num_workers=1, timeout_s=5)
+    assert "died" in results[0]["error"] and "exit code 3" in results[0]["error"]
+    assert "non-finite" in results[1]["error"]
+    assert results[2] == {"score": 1.0, "acc": None, "extras": {}, "error": None}
+    assert metrics["reward/errors"] == 2.0 and metrics["reward/timeouts"] == 0.0
+
+
+def test_strict_raises_naming_the_row(reward_file):
+    rows = [make_row(0, "1", "1"), make_row(1, "1", "1"), make_row(2, "x", "boom")]
+    with pytest.raises(RewardScoringError, match=r"row 2 .*ValueError: cannot score row 2"):
+        score_batch(rows, {"path": reward_file}, num_workers=1, timeout_s=5, strict=True)
+
+
+def test_strict_timeout_raises_naming_the_row(reward_file):
+    rows = [make_row(0, "x", "hang")]
+    with pytest.raises(RewardScoringError, match=r"row 0 .*timeout"):
+        score_batch(rows, {"path": reward_file}, num_workers=1, timeout_s=1, strict=True)
+
+
+def test_dict_result_keeps_extra_keys_and_reward_kwargs(reward_file):
+    spec = {"path": reward_file, "name": "with_details", "reward_kwargs": {"bonus": 0.5}}
+    rows = [make_row(0, "abc", "abc"), make_row(1, "ab", "abc")]
+    results, metrics = score_batch(rows, spec, num_workers=2, timeout_s=5)
+    assert results[0] == {"score": 1.5, "acc": True, "error": None,
+                          "extras": {"length": 3, "source": "custom/task"}}
+    assert results[1]["score"] == 0.5 and results[1]["acc"] is False
+    assert results[1]["extras"] == {"length": 2, "source": "custom/task"}
+    assert metrics["reward/errors"] == 0.0
+
+
+def test_builtin_scorers_without_a_path():
+    rows = [make_row(0, "#### 72", "72", "openai/gsm8k"), make_row(1, "#### 72.", "72", "openai/gsm8k"),
+            make_row(2, "so = 19", "19", "stagerl/arith"), make_row(3, "#### 1", "1", "no/such")]
+    results, metrics = score_batch(rows, None, num_workers=2, timeout_s=5)
+    assert [(r["score"], r["acc"]) for r in results[:3]] == [(1.0, True), (0.0, False), (1.0, True)]
+    assert results[3]["score"] == 0.0
+    assert "UnknownDataSourceError" in results[3]["error"] and "'no/such'" in results[3]["error"]
+    assert metrics["reward/errors"] == 1.0
+
+
+def test_empty_batch_and_bad_arguments(reward_file):
+    assert score_batch([], {"path": reward_file}, num_workers=2, timeout_s=1) == (
+        [], {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/rows": 0.0})
+    with pytest.raises(ValueError, match="num_workers"):
+        score_batch([make_row(0, "1", "1")], None, num_workers=0, timeout_s=1)
+
+
+def test_user_file_with_dataclass_result(tmp_path):
+    path = tmp_path / "dc_reward.py"
+    path.write_text(textwrap.dedent('''
+        from __future__ import annotations
+        from dataclasses import dataclass
+
+        @dataclass
+        class Verdict:
+            score: float
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info):
+            return {"score": Verdict(1.0).score, "verdict": Verdict(0.5)}
+    '''))
+    results, metrics = score_batch([make_row(0, "a", "a")], {"path": str(path)}, num_workers=1, timeout_s=5)
+    assert results[0]["score"] == 1.0 and results[0]["error"] is None
+    assert results[0]["extras"]["verdict"].score == 0.5
+
+
+def test_missing_function_or_file_is_a_clear_error(reward_file, tmp_path):
+    with pytest.raises(RewardFunctionNotFound) as info:
+        load_reward_fn({"path": reward_file, "name": "score_it"})
+    assert "'score_it'" in str(info.value) and reward_file in str(info.value)
+    assert "compute_score" in str(info.value)   # lists what the file does define
+    missing = str(tmp_path / "nope.py")
+    with pytest.raises(RewardFunctionNotFound, match="nope.py"):
+        score_batch([make_row(0, "1", "1")], {"path": missing}, num_workers=1, timeout_s=1)
+
+
+def test_load_reward_fn_defaults_and_in_process_call(reward_file):
+    assert load_reward_fn({"path": reward_file})("s", "4", "4", {"index": 0}) == 1.0
+    details = load_reward_fn({"path": reward_file, "name": "with_details", "reward_kwargs": {"bonus": 1}})
+    assert details("s", "a", "a", None)["score"] == 2.0
+    assert load_reward_fn(None)("openai/gsm8k", "#### 5", "5") == {"score": 1.0, "acc": True}
+
+
+@pytest.mark.parametrize("value, expected_error", [
+    ({"acc": True}, "without 'score'"), ("high", "expected a number"), (None, "expected a number"),
+    (float("inf"), "non-finite"),
+])
+def test_normalise_result_rejects_unusable_values(value, expected_error):
+    outcome = normalise_result(value)
+    assert outcome["score"] == 0.0 and expected_error in outcome["error"]
+
+
+def test_normalise_result_accepts_numbers_and_bools():
+    assert normalise_result(1) == {"score": 1.0, "acc": None, "extras": {}, "error": None}
+    assert normalise_result(True)["score"] == 1.0
+    assert normalise_result({"score": 0.25, "acc": 0})["acc"] is False
