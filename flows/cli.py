@@ -10,6 +10,7 @@ COMMAND_MODULES = [
     "flows.cmd_plan",
     "flows.cmd_model",
     "flows.cmd_data",
+    "flows.cmd_runs",
 ]
 
 

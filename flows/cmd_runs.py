@@ -1,0 +1,71 @@
+"""`stagerl runs [--root URL]`: the experiments in a store, their steps done and the last
+complete stage."""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "runs", help="list experiments in a store with steps done and the last complete stage")
+    p.add_argument("--root", default=None,
+                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
+                        "or ./runs); S3 credentials come from the AWS_* environment variables")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def collect(store) -> list:
+    """One summary dict per experiment found under the store root."""
+    from storage.artifacts import read_run_json, run_status
+    from storage.layout import STAGES, RunLayout
+    from storage.weights import list_weights
+
+    rows = []
+    for project in store.list(""):
+        for experiment in store.list(project):
+            try:
+                layout = RunLayout(project, experiment)
+            except ValueError:
+                continue
+            if not (store.exists(layout.run_json) or store.exists(layout.steps_dir)):
+                continue
+            status = run_status(store, layout)
+            done = [s for s, st in status.items() if st[STAGES[-1]]]
+            last = None
+            for step in sorted(status, reverse=True):
+                complete = [s for s in STAGES if status[step][s]]
+                if complete:
+                    last = f"step {step} {complete[-1]}"
+                    break
+            weights = list_weights(store, layout)
+            lock = store.exists(layout.lock)
+            rows.append({"project": project, "experiment": experiment,
+                         "steps_done": len(done), "last_step_done": max(done) if done else None,
+                         "last_complete": last, "weights": weights[-1] if weights else None,
+                         "locked": lock, "has_run_json": read_run_json(store, layout) is not None})
+    return rows
+
+
+def run(args) -> int:
+    import json
+    import os
+
+    from storage.store import Store
+
+    root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
+    store = Store.from_config({"root": root})
+    rows = collect(store)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"store: {store.url('')}")
+    if not rows:
+        print("no experiments")
+        return 0
+    header = ("PROJECT", "EXPERIMENT", "STEPS DONE", "LAST COMPLETE", "WEIGHTS", "LOCKED")
+    table = [header] + [(r["project"], r["experiment"], str(r["steps_done"]),
+                         r["last_complete"] or "-",
+                         "-" if r["weights"] is None else f"step_{r['weights']:06d}",
+                         "yes" if r["locked"] else "no") for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0

@@ -1,0 +1,89 @@
+"""What every stage gets: the resolved config, the batch plan, the store and run layout, the step.
+
+A stage module defines
+    STAGE = "rollout"                     # its name in the run layout
+    INPUTS = ("rollout", ...)             # earlier stages of the same step it reads
+    CONFIG_KEYS = ("data", "actor_rollout_ref.rollout", ...)   # config sections it reads
+    def run(ctx: StageContext) -> dict    # reads inputs, writes its artifact + manifest, returns the manifest
+and imports no Prefect. Steps are numbered from 1 (as verl's global_steps); step k samples from
+the weights written by step k-1 (step 1: actor_rollout_ref.model.path)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from configs.loader import get_path
+from storage.artifacts import fingerprint as hash_obj
+from storage.artifacts import read_manifest
+from storage.layout import RunLayout
+from storage.store import Store
+
+
+def stage_seed(seed: int, step: int, stage: str) -> int:
+    """A 31-bit seed from (trainer.seed, step, stage): every stage reseeds, so resume == no interruption."""
+    digest = hashlib.sha256(f"{seed}/{step}/{stage}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class StageContext:
+    cfg: dict
+    plan: dict
+    store: Store
+    layout: RunLayout
+    step: int
+    extra: dict = field(default_factory=dict)  # flow-provided state (e.g. dataset position, KL controller)
+
+    @classmethod
+    def create(cls, cfg: dict, plan: dict, step: int, store: Store | None = None) -> "StageContext":
+        store = store or Store.from_config(cfg.get("storage", {}))
+        return cls(cfg=cfg, plan=plan, store=store, layout=RunLayout.from_config(cfg), step=step)
+
+    def get(self, path: str, default=None):
+        return get_path(self.cfg, path, default)
+
+    def seed(self, stage: str) -> int:
+        return stage_seed(self.get("trainer.seed"), self.step, stage)
+
+    def fingerprint(self, stage: str, config_keys, inputs=()) -> str:
+        """Hash of the config sections a stage reads, its inputs' fingerprints, the seed and the step."""
+        sections = {key: get_path(self.cfg, key) for key in config_keys}
+        upstream = {}
+        for name in inputs:
+            manifest = read_manifest(self.store, self.layout, self.step, name)
+            upstream[name] = manifest["fingerprint"] if manifest else None
+        return hash_obj({"stage": stage, "step": self.step, "seed": self.seed(stage),
+                         "config": sections, "inputs": upstream, "plan": self.plan})
+
+    def input_fingerprints(self, inputs) -> dict:
+        out = {}
+        for name in inputs:
+            manifest = read_manifest(self.store, self.layout, self.step, name)
+            out[name] = manifest["fingerprint"] if manifest else None
+        return out
+
+    def actor_weights(self) -> Path:
+        """Local folder of the policy this step samples from (weights of step-1, or the initial model)."""
+        if self.step <= 1:
+            return Path(os.path.expanduser(self.get("actor_rollout_ref.model.path")))
+        from storage.weights import load_weights
+
+        return load_weights(self.store, self.layout, self.step - 1, cache_dir=self.get("storage.cache_dir"))
+
+    def reference_weights(self) -> Path:
+        """The reference policy is the initial model folder."""
+        return Path(os.path.expanduser(self.get("actor_rollout_ref.model.path")))
+
+    def to_json(self) -> str:
+        """What a child process (an N-rank job) needs to rebuild this context."""
+        return json.dumps({"cfg": dict(self.cfg), "plan": self.plan, "step": self.step, "extra": self.extra})
+
+    @classmethod
+    def from_json(cls, text: str) -> "StageContext":
+        data = json.loads(text)
+        ctx = cls.create(data["cfg"], data["plan"], data["step"])
+        ctx.extra = data.get("extra", {})
+        return ctx

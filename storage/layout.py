@@ -1,0 +1,141 @@
+"""The run layout in the store (DESIGN.md). The only module that spells out keys.
+
+    {project}/{experiment}/run.json
+    {project}/{experiment}/steps/{step:06d}/{stage}.parquet
+    {project}/{experiment}/steps/{step:06d}/update/metrics.json
+    {project}/{experiment}/steps/{step:06d}/update/microbatches.parquet
+    {project}/{experiment}/steps/{step:06d}/_manifests/{stage}.json
+    {project}/{experiment}/weights/step_{k:06d}/
+    {project}/{experiment}/train_state/
+"""
+import re
+
+STAGES = ("rollout", "logprob", "reward", "advantage", "update")
+# Files each stage writes, relative to its step folder.
+STAGE_FILES = {
+    "rollout": ("rollout.parquet",),
+    "logprob": ("logprob.parquet",),
+    "reward": ("reward.parquet",),
+    "advantage": ("advantage.parquet",),
+    "update": ("update/metrics.json", "update/microbatches.parquet"),
+}
+LOCK_NAME = "_lock.json"
+WEIGHTS_MANIFEST = "_manifest.json"
+_STEP_RE = re.compile(r"^\d{6,}$")
+_WEIGHTS_RE = re.compile(r"^step_(\d{6,})$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class InvalidName(ValueError):
+    """An invalid project or experiment name."""
+
+
+def check_name(name, what: str = "name") -> str:
+    """Validate a project/experiment name: non-empty, no '..', no slash, no control chars."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidName(f"invalid {what} {name!r}: must be a non-empty string")
+    if _CONTROL.search(name):
+        raise InvalidName(f"invalid {what} {name!r}: contains control characters")
+    if "/" in name or "\\" in name:
+        raise InvalidName(f"invalid {what} {name!r}: must not contain a slash")
+    if ".." in name:
+        raise InvalidName(f"invalid {what} {name!r}: must not contain '..'")
+    if name.strip() != name or name == ".":
+        raise InvalidName(f"invalid {what} {name!r}: no leading/trailing spaces, not '.'")
+    return name
+
+
+def check_stage(stage: str) -> str:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    return stage
+
+
+def check_step(step) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"invalid step {step!r}: must be an integer >= 0")
+    return step
+
+
+class RunLayout:
+    """Keys (relative to the store root) of one experiment's run."""
+
+    def __init__(self, project: str, experiment: str):
+        self.project = check_name(project, "project name")
+        self.experiment = check_name(experiment, "experiment name")
+        self.base = f"{project}/{experiment}"
+
+    @classmethod
+    def from_config(cls, config: dict) -> "RunLayout":
+        trainer = config.get("trainer", {})
+        return cls(trainer.get("project_name"), trainer.get("experiment_name"))
+
+    def __repr__(self) -> str:
+        return f"RunLayout({self.base!r})"
+
+    @property
+    def run_json(self) -> str:
+        return f"{self.base}/run.json"
+
+    @property
+    def lock(self) -> str:
+        return f"{self.base}/{LOCK_NAME}"
+
+    @property
+    def steps_dir(self) -> str:
+        return f"{self.base}/steps"
+
+    def step_dir(self, step: int) -> str:
+        return f"{self.steps_dir}/{check_step(step):06d}"
+
+    def stage_file(self, step: int, name: str) -> str:
+        """Key of a file `name` (e.g. 'update/metrics.json') in the step folder."""
+        return f"{self.step_dir(step)}/{name}"
+
+    def artifact(self, step: int, stage: str) -> str:
+        """Key of a stage's main artifact (update: its microbatches table)."""
+        files = STAGE_FILES[check_stage(stage)]
+        return self.stage_file(step, files[-1] if stage == "update" else files[0])
+
+    def update_metrics(self, step: int) -> str:
+        return self.stage_file(step, "update/metrics.json")
+
+    def update_microbatches(self, step: int) -> str:
+        return self.stage_file(step, "update/microbatches.parquet")
+
+    def manifests_dir(self, step: int) -> str:
+        return f"{self.step_dir(step)}/_manifests"
+
+    def manifest(self, step: int, stage: str) -> str:
+        return f"{self.manifests_dir(step)}/{check_stage(stage)}.json"
+
+    @property
+    def weights_dir(self) -> str:
+        return f"{self.base}/weights"
+
+    def weights(self, k: int) -> str:
+        return f"{self.weights_dir}/step_{check_step(k):06d}"
+
+    @property
+    def train_state(self) -> str:
+        return f"{self.base}/train_state"
+
+
+def parse_step(name: str):
+    """'000012' -> 12; anything else -> None."""
+    return int(name) if _STEP_RE.match(name) else None
+
+
+def parse_weights_step(name: str):
+    """'step_000012' -> 12; anything else -> None."""
+    m = _WEIGHTS_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def temp_key(key: str, token: str) -> str:
+    """A temporary sibling of `key`; never listed in a manifest, never read."""
+    return f"{key}.tmp-{token}"
+
+
+def is_temp_key(key: str) -> bool:
+    return ".tmp-" in key.rsplit("/", 1)[-1]

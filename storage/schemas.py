@@ -1,0 +1,138 @@
+"""The pyarrow schema of every stage artifact: the one place that declares columns.
+
+Per-token columns are list<float32> / list<int32> of the response length (no padding).
+Each schema lists required and optional columns; extra columns are allowed (a stage may
+add diagnostics), but a declared column must have its declared type."""
+import pyarrow as pa
+
+F32 = pa.float32()
+I32 = pa.int32()
+I64 = pa.int64()
+STR = pa.string()
+TOK_F32 = pa.list_(F32)
+TOK_I32 = pa.list_(I32)
+
+
+class SchemaError(ValueError):
+    """A table does not match its stage schema (the message names the column)."""
+
+
+class StageSchema:
+    """Required and optional columns of one artifact."""
+
+    def __init__(self, name: str, required: list, optional: list = (), per_token=()):
+        self.name = name
+        self.required = pa.schema(required)
+        self.optional = pa.schema(list(optional))
+        self.per_token = tuple(per_token)
+
+    @property
+    def fields(self) -> dict:
+        return {f.name: f.type for f in list(self.required) + list(self.optional)}
+
+    def validate(self, table: pa.Table, where: str = "") -> pa.Table:
+        """Return `table` if it matches; else raise SchemaError naming the column."""
+        at = f" in {where}" if where else ""
+        names = set(table.schema.names)
+        for f in self.required:
+            if f.name not in names:
+                raise SchemaError(f"{self.name}: missing column {f.name!r} "
+                                  f"(expected {f.type}){at}")
+        for name, expected in self.fields.items():
+            if name in names and not _same_type(table.schema.field(name).type, expected):
+                raise SchemaError(f"{self.name}: column {name!r} has type "
+                                  f"{table.schema.field(name).type}, expected {expected}{at}")
+        self._check_lengths(table, at)
+        return table
+
+    def _check_lengths(self, table: pa.Table, at: str) -> None:
+        """Per-token columns of a row share one length (= response_length when present)."""
+        import pyarrow.compute as pc
+        cols = [c for c in self.per_token if c in table.schema.names]
+        ref_name = "response_length" if "response_length" in table.schema.names else None
+        ref = table.column(ref_name) if ref_name else None
+        for c in cols:
+            lengths = pc.list_value_length(table.column(c))
+            if ref is None:
+                ref, ref_name = lengths, c
+                continue
+            if not pc.all(pc.equal(lengths.cast(I64), ref.cast(I64))).as_py():
+                raise SchemaError(f"{self.name}: column {c!r} has rows whose length differs "
+                                  f"from {ref_name!r}{at}")
+
+    def table(self, columns: dict) -> pa.Table:
+        """Build a table with the declared types from Python/numpy columns (unknown columns
+        are inferred), then validate it."""
+        arrays = {name: pa.array(values, type=self.fields.get(name))
+                  for name, values in columns.items()}
+        return self.validate(pa.table(arrays))
+
+
+def _same_type(actual: pa.DataType, expected: pa.DataType) -> bool:
+    """Type equality ignoring list field names ('item' vs 'element' after a parquet trip)."""
+    if pa.types.is_list(expected) or pa.types.is_large_list(expected):
+        return (type(actual) is type(expected)
+                and _same_type(actual.value_type, expected.value_type))
+    return actual.equals(expected)
+
+
+SCHEMAS = {
+    "rollout": StageSchema(
+        "rollout",
+        required=[("uid", STR), ("sample_index", I32), ("prompt", STR), ("prompt_ids", TOK_I32),
+                  ("response", STR), ("response_ids", TOK_I32), ("response_length", I32),
+                  ("finish_reason", STR), ("data_source", STR), ("ground_truth", STR),
+                  ("extra_info", STR)],
+        optional=[("rollout_log_probs", TOK_F32)],
+        per_token=("response_ids", "rollout_log_probs"),
+    ),
+    "logprob": StageSchema(
+        "logprob",
+        required=[("old_log_probs", TOK_F32), ("ref_log_probs", TOK_F32), ("entropy", TOK_F32)],
+        optional=[("values", TOK_F32)],
+        per_token=("old_log_probs", "ref_log_probs", "entropy", "values"),
+    ),
+    "reward": StageSchema(
+        "reward",
+        required=[("score", F32), ("acc", F32)],
+        optional=[("error", STR)],  # reward extras: any further column
+    ),
+    "advantage": StageSchema(
+        "advantage",
+        required=[("token_level_rewards", TOK_F32), ("advantages", TOK_F32),
+                  ("returns", TOK_F32), ("kl", TOK_F32)],
+        per_token=("token_level_rewards", "advantages", "returns", "kl"),
+    ),
+    # update/microbatches.parquet: one row per (rank, micro-batch); `rows` are step row indices.
+    "microbatches": StageSchema(
+        "microbatches",
+        required=[("rank", I32), ("micro_batch", I32), ("rows", TOK_I32),
+                  ("real_tokens", I64), ("padded_tokens", I64)],
+        optional=[("mini_batch", I32)],
+    ),
+}
+
+# Which schema each stored table file uses (by file name in the step folder).
+FILE_SCHEMAS = {
+    "rollout.parquet": "rollout",
+    "logprob.parquet": "logprob",
+    "reward.parquet": "reward",
+    "advantage.parquet": "advantage",
+    "update/microbatches.parquet": "microbatches",
+}
+
+
+def schema(name: str) -> StageSchema:
+    if name not in SCHEMAS:
+        raise KeyError(f"no schema {name!r}; known: {', '.join(SCHEMAS)}")
+    return SCHEMAS[name]
+
+
+def validate(name: str, table: pa.Table, where: str = "") -> pa.Table:
+    """Check `table` against schema `name` (raises SchemaError naming the column)."""
+    return schema(name).validate(table, where)
+
+
+def make_table(name: str, columns: dict) -> pa.Table:
+    """Build a typed, validated table for schema `name` from plain columns."""
+    return schema(name).table(columns)

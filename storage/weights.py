@@ -1,0 +1,104 @@
+"""HF model folders in the store (weights/step_k/, or any folder key), with a local cache keyed by
+checksum: a folder is downloaded once per machine.
+
+The folder's files are copied as they are; `_manifest.json` (sizes, sha256 per file and the
+folder checksum) is written last and is what makes the folder complete."""
+import hashlib
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from storage.artifacts import ChecksumError, IncompleteError, code_version, fingerprint
+from storage.layout import WEIGHTS_MANIFEST, RunLayout, parse_weights_step
+from storage.secrets import scrub
+from storage.store import Store
+
+_CHUNK = 8 << 20
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_folder(store: Store, local_dir, key: str, extra=None) -> dict:
+    """Upload every file under `local_dir` to `key/` and commit it with a manifest."""
+    local_dir = Path(local_dir)
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no files to save in {local_dir}")
+    store.delete(f"{key}/{WEIGHTS_MANIFEST}")
+    t0 = time.perf_counter()
+    entries = {}
+    for p in files:
+        rel = p.relative_to(local_dir).as_posix()
+        if rel == WEIGHTS_MANIFEST:
+            continue
+        entries[rel] = {"size": p.stat().st_size, "sha256": file_sha256(p)}
+        store.put_file(p, f"{key}/{rel}")
+    manifest = {"files": entries,
+                "checksum": fingerprint({k: v["sha256"] for k, v in entries.items()}),
+                "bytes": sum(e["size"] for e in entries.values()),
+                "upload_s": round(time.perf_counter() - t0, 3),
+                "code_version": code_version(), "written_at": time.time(),
+                "extra": extra or {}}
+    manifest = scrub(manifest, store.secret_values)
+    store.write_json(f"{key}/{WEIGHTS_MANIFEST}", manifest)
+    return manifest
+
+
+def folder_manifest(store: Store, key: str) -> dict:
+    try:
+        return store.read_json(f"{key}/{WEIGHTS_MANIFEST}")
+    except FileNotFoundError:
+        raise IncompleteError(f"{store.url(key)} is incomplete: no {WEIGHTS_MANIFEST}") from None
+
+
+def load_folder(store: Store, key: str, cache_dir=None) -> Path:
+    """A local folder with the files of `key/`, from the cache when already fetched (by folder
+    checksum), else downloaded, verified and moved into the cache atomically."""
+    manifest = folder_manifest(store, key)
+    cache = Path(cache_dir or store.cache_dir) / "folders"
+    target = cache / manifest["checksum"]
+    if (target / ".complete").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".tmp-{manifest['checksum'][:16]}-{uuid.uuid4().hex[:8]}"
+    try:
+        for rel, entry in manifest["files"].items():
+            dest = tmp / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            store.get_file(f"{key}/{rel}", dest)
+            if dest.stat().st_size != entry["size"] or file_sha256(dest) != entry["sha256"]:
+                raise ChecksumError(f"checksum mismatch for {store.url(f'{key}/{rel}')}")
+        (tmp / ".complete").write_text(manifest["checksum"])
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process filled the cache first
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def save_weights(store: Store, layout: RunLayout, k: int, local_dir, extra=None) -> dict:
+    """Export an HF folder as weights/step_k (what step k+1 samples from)."""
+    return save_folder(store, local_dir, layout.weights(k), extra=extra)
+
+
+def load_weights(store: Store, layout: RunLayout, k: int, cache_dir=None) -> Path:
+    """Local path of weights/step_k (cached by checksum)."""
+    return load_folder(store, layout.weights(k), cache_dir)
+
+
+def list_weights(store: Store, layout: RunLayout) -> list:
+    """Steps k whose weights/step_k folder is complete."""
+    steps = (parse_weights_step(n) for n in store.list(layout.weights_dir))
+    return sorted(k for k in steps
+                  if k is not None and store.exists(f"{layout.weights(k)}/{WEIGHTS_MANIFEST}"))

@@ -1,0 +1,393 @@
+"""Storage tests, each run twice: on a local folder and on a real S3 endpoint (moto's server in a
+subprocess on 127.0.0.1). Nothing is mocked."""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _s3_server import MotoServer  # noqa: E402
+
+from storage import artifacts, schemas  # noqa: E402
+from storage.layout import InvalidName, RunLayout  # noqa: E402
+from storage.lock import ExperimentLock, LockedError  # noqa: E402
+from storage.store import Store  # noqa: E402
+from storage.weights import load_weights, save_weights  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "stagerl-test"
+FAKE_KEY = "AKIAFAKEKEY7Q3Z9XW2M"
+FAKE_SECRET = "fakeSecret+9vQx/Zr7TtPpLmNnBbVvCcXx"
+FAKE_TOKEN = "hf_faketokenQWERTY123456"
+FAKE_PASSWORD = "p4ssw0rd-FAKE-xyz"
+SECRET_VALUES = (FAKE_KEY, FAKE_SECRET, FAKE_TOKEN, FAKE_PASSWORD)
+LOCAL_DIRS = []  # every local folder a test wrote to (grepped by the last test)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    with MotoServer() as srv:
+        srv.make_bucket(BUCKET, FAKE_KEY, FAKE_SECRET)
+        yield srv.endpoint_url
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage_cfg(request, tmp_path):
+    cache = tmp_path / "cache"
+    LOCAL_DIRS.append(tmp_path)
+    if request.param == "local":
+        return {"root": str(tmp_path / "store"), "key": FAKE_KEY, "secret": FAKE_SECRET,
+                "cache_dir": str(cache)}
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return {"root": f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}", "endpoint_url": endpoint,
+            "key": FAKE_KEY, "secret": FAKE_SECRET, "cache_dir": str(cache)}
+
+
+@pytest.fixture
+def store(storage_cfg):
+    return Store.from_config(storage_cfg)
+
+
+@pytest.fixture
+def layout():
+    return RunLayout("proj", "exp-1")
+
+
+def step_files(n_prompts=3, n=2, seed=0):
+    """Small but schema-complete files for every stage of one step."""
+    import random
+    rng = random.Random(seed)
+    rows = n_prompts * n
+    lens = [rng.randint(1, 6) for _ in range(rows)]
+    tok = lambda: [[rng.random() for _ in range(k)] for k in lens]  # noqa: E731
+    rollout = schemas.make_table("rollout", {
+        "uid": [f"u{i // n}" for i in range(rows)], "sample_index": [i % n for i in range(rows)],
+        "prompt": ["what is 1+1?"] * rows, "prompt_ids": [[1, 2, 3]] * rows,
+        "response": ["2"] * rows, "response_ids": [list(range(k)) for k in lens],
+        "response_length": lens, "finish_reason": ["stop"] * rows,
+        "data_source": ["gsm8k"] * rows, "ground_truth": ["2"] * rows,
+        "extra_info": [json.dumps({"i": i}) for i in range(rows)]})
+    logprob = schemas.make_table("logprob", {"old_log_probs": tok(), "ref_log_probs": tok(),
+                                             "entropy": tok()})
+    reward = schemas.make_table("reward", {"score": [1.0] * rows, "acc": [1.0] * rows,
+                                           "format_ok": [True] * rows})
+    advantage = schemas.make_table("advantage", {c: tok() for c in (
+        "token_level_rewards", "advantages", "returns", "kl")})
+    micro = schemas.make_table("microbatches", {
+        "rank": [0, 1], "micro_batch": [0, 0], "rows": [[0, 1, 2], [3, 4, 5]],
+        "real_tokens": [10, 12], "padded_tokens": [18, 18]})
+    return {"rollout": {"rollout.parquet": rollout}, "logprob": {"logprob.parquet": logprob},
+            "reward": {"reward.parquet": reward}, "advantage": {"advantage.parquet": advantage},
+            "update": {"update/metrics.json": {"loss": 0.5, "grad_norm": 1.0},
+                       "update/microbatches.parquet": micro}}
+
+
+def write_step(store, layout, step, stages=("rollout", "logprob", "reward", "advantage", "update")):
+    files = step_files(seed=step)
+    prev = {}
+    for stage in stages:
+        fp = artifacts.fingerprint({"stage": stage, "step": step, "inputs": prev})
+        artifacts.write_stage(store, layout, step, stage, files[stage], fingerprint=fp,
+                              inputs=dict(prev), timings={"compute_s": 0.1})
+        prev[stage] = fp
+    return files
+
+
+# ---- store basics ------------------------------------------------------------------------
+def test_store_roundtrips(store):
+    store.write_json("a/b.json", {"x": 1})
+    assert store.read_json("a/b.json") == {"x": 1}
+    store.write_bytes("a/c.bin", b"\x00\x01")
+    assert store.read_bytes("a/c.bin") == b"\x00\x01"
+    t = pa.table({"v": pa.array([1.5, 2.5], pa.float32())})
+    store.write_parquet("a/d/t.parquet", t)
+    assert store.read_parquet("a/d/t.parquet").equals(t)
+    assert store.list("a") == ["b.json", "c.bin", "d"]
+    assert store.list("missing") == []
+    assert store.exists("a/b.json") and not store.exists("a/zz.json")
+    assert store.copy_folder("a", "copy/a") == 3
+    assert store.find("copy") == ["copy/a/b.json", "copy/a/c.bin", "copy/a/d/t.parquet"]
+    store.delete("a/b.json")
+    assert not store.exists("a/b.json")
+    store.delete("copy", recursive=True)
+    assert store.find("copy") == []
+    with pytest.raises(FileNotFoundError, match="zz.json"):
+        store.read_bytes("a/zz.json")
+    import pyarrow.parquet as pq
+    pq_meta = pq.read_metadata(pa.BufferReader(store.read_bytes("a/d/t.parquet")))
+    assert pq_meta.row_group(0).column(0).compression == "ZSTD"
+
+
+def test_layout_keys():
+    lay = RunLayout("p", "e")
+    assert lay.run_json == "p/e/run.json"
+    assert lay.artifact(3, "rollout") == "p/e/steps/000003/rollout.parquet"
+    assert lay.update_metrics(3) == "p/e/steps/000003/update/metrics.json"
+    assert lay.update_microbatches(3) == "p/e/steps/000003/update/microbatches.parquet"
+    assert lay.manifest(3, "reward") == "p/e/steps/000003/_manifests/reward.json"
+    assert lay.weights(2) == "p/e/weights/step_000002"
+    assert lay.train_state == "p/e/train_state"
+
+
+@pytest.mark.parametrize("bad", ["", "  ", "..", "a..b", "a/b", "a\\b", "x\ny", "t\x00", "\x7f"])
+def test_name_checks(bad):
+    with pytest.raises(InvalidName, match="invalid project name"):
+        RunLayout(bad, "ok")
+    with pytest.raises(InvalidName, match="invalid experiment name"):
+        RunLayout("ok", bad)
+
+
+# ---- stage artifacts ---------------------------------------------------------------------
+def test_stage_roundtrip_and_manifest(store, layout):
+    files = write_step(store, layout, 0)
+    for stage in ("rollout", "logprob", "reward", "advantage"):
+        got = artifacts.read_table(store, layout, 0, stage)
+        assert got.equals(files[stage][f"{stage}.parquet"])
+    assert artifacts.read_file(store, layout, 0, "update", "update/metrics.json")["loss"] == 0.5
+    assert artifacts.read_table(store, layout, 0, "update").num_rows == 2
+    m = artifacts.read_manifest(store, layout, 0, "logprob")
+    assert m["row_count"] == 6 and m["stage"] == "logprob" and m["step"] == 0
+    assert set(m["inputs"]) == {"rollout"} and len(m["fingerprint"]) == 64
+    entry = m["files"]["logprob.parquet"]
+    assert entry["path"] == layout.artifact(0, "logprob")
+    assert entry["size"] == store.size(entry["path"]) and len(entry["sha256"]) == 64
+    assert "compute_s" in m["timings"] and "storage_write_s" in m["timings"]
+    assert m["code_version"]["package"]
+    assert artifacts.step_status(store, layout, 0) == dict.fromkeys(
+        ("rollout", "logprob", "reward", "advantage", "update"), True)
+    assert artifacts.is_complete(store, layout, 0, "logprob", m["fingerprint"])
+    assert not artifacts.is_complete(store, layout, 0, "logprob", "other")
+    assert not any(".tmp-" in k for k in store.find(""))
+    assert artifacts.fingerprint({"b": 1, "a": [1, 2]}) == artifacts.fingerprint(
+        {"a": [1, 2], "b": 1})
+
+
+def test_artifact_without_manifest_is_incomplete(store, layout):
+    write_step(store, layout, 0, ("rollout",))
+    artifacts.upload_files(store, layout, 0, "logprob", step_files()["logprob"])
+    assert store.exists(layout.artifact(0, "logprob"))
+    assert artifacts.step_status(store, layout, 0)["logprob"] is False
+    with pytest.raises(artifacts.IncompleteError, match="logprob"):
+        artifacts.read_table(store, layout, 0, "logprob")
+
+
+def test_corruption_detected(store, layout):
+    write_step(store, layout, 0, ("rollout", "logprob"))
+    key = layout.artifact(0, "logprob")
+    data = bytearray(store.read_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    store.write_bytes(key, bytes(data))
+    with pytest.raises(artifacts.ChecksumError, match=r"checksum mismatch for .*logprob\.parquet"):
+        artifacts.read_table(store, layout, 0, "logprob")
+    artifacts.read_table(store, layout, 0, "rollout")  # the others stay readable
+
+
+def test_schema_refusals(store, layout):
+    good = step_files()["logprob"]["logprob.parquet"]
+    with pytest.raises(schemas.SchemaError, match="missing column 'entropy'"):
+        artifacts.write_table(store, layout, 0, "logprob", good.drop(["entropy"]), fingerprint="f")
+    wrong = good.set_column(0, "old_log_probs", good.column("old_log_probs").cast(
+        pa.list_(pa.float64())))
+    with pytest.raises(schemas.SchemaError, match="'old_log_probs' has type list<.*double>"):
+        artifacts.write_table(store, layout, 0, "logprob", wrong, fingerprint="f")
+    short = good.set_column(2, "entropy", pa.array([[0.1]] * good.num_rows, pa.list_(pa.float32())))
+    with pytest.raises(schemas.SchemaError, match="'entropy' has rows whose length"):
+        artifacts.write_table(store, layout, 0, "logprob", short, fingerprint="f")
+    assert not store.exists(layout.artifact(0, "logprob"))
+    # optional columns accepted when typed right, refused otherwise
+    vals = good.append_column("values", good.column("entropy"))
+    artifacts.write_table(store, layout, 0, "logprob", vals, fingerprint="f")
+    rew = step_files()["reward"]["reward.parquet"]
+    rew = rew.append_column("error", pa.array([None] * rew.num_rows, pa.string()))
+    artifacts.write_table(store, layout, 0, "reward", rew, fingerprint="f")
+    with pytest.raises(schemas.SchemaError, match="'sample_index' has type int64"):
+        schemas.validate("rollout", step_files()["rollout"]["rollout.parquet"].set_column(
+            1, "sample_index", pa.array([0] * 6, pa.int64())))
+    # a wrongly typed table already in the store is refused on read, naming the column
+    entries = artifacts.upload_files(store, layout, 1, "reward", {"reward.parquet": b""})
+    bad = pa.table({"score": pa.array([1], pa.int64()), "acc": pa.array([1.0], pa.float32())})
+    data = Store.parquet_bytes(bad)
+    store.write_bytes(entries["reward.parquet"]["path"], data)
+    entries["reward.parquet"].update(size=len(data), sha256=artifacts.sha256_bytes(data))
+    artifacts.write_manifest(store, layout, 1, "reward", entries, fingerprint="f")
+    with pytest.raises(schemas.SchemaError, match="'score' has type int64"):
+        artifacts.read_table(store, layout, 1, "reward")
+
+
+# ---- weights -----------------------------------------------------------------------------
+def make_hf_folder(path: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+    path.mkdir(parents=True)
+    save_file({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    (path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+def test_weights_save_load_and_cache(store, layout, tmp_path):
+    src = make_hf_folder(tmp_path / "hf")
+    m = save_weights(store, layout, 1, src)
+    assert set(m["files"]) == {"model.safetensors", "config.json", "tokenizer.json",
+                               "tokenizer_config.json"}
+    assert store.exists(layout.weights(1) + "/model.safetensors")
+    local = load_weights(store, layout, 1)
+    for name in m["files"]:
+        assert (local / name).read_bytes() == (src / name).read_bytes()
+    # a cache hit does not fetch: it still works once the store's copy is gone
+    store.delete(layout.weights(1) + "/model.safetensors")
+    assert load_weights(store, layout, 1) == local
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_weights(store, layout, 1, cache_dir=tmp_path / "other-cache")
+    with pytest.raises(artifacts.IncompleteError):
+        load_weights(store, layout, 2)
+
+
+# ---- lock --------------------------------------------------------------------------------
+def test_lock(storage_cfg, layout):
+    store = Store.from_config(storage_cfg)
+    first = ExperimentLock(store, layout).acquire()
+    with pytest.raises(LockedError, match=r"locked by host .* pid %d since" % os.getpid()):
+        ExperimentLock(store, layout).acquire()
+    forced = ExperimentLock(store, layout, force=True).acquire()
+    with pytest.raises(LockedError, match="taken over"):
+        first.refresh()
+    forced.release()
+    assert not store.exists(layout.lock)
+    with ExperimentLock(store, layout):
+        quick = Store.from_config({**storage_cfg, "lock_stale_seconds": 0.3})
+        time.sleep(0.4)
+        stale_taker = ExperimentLock(quick, layout).acquire()  # stale: taken over
+        stale_taker.release()
+
+
+# ---- hygiene -----------------------------------------------------------------------------
+def test_secrets_removed(store, layout, storage_cfg):
+    config = {
+        "storage": {**storage_cfg, "root": f"s3://{FAKE_KEY}:{FAKE_SECRET}@{BUCKET}/x"},
+        "data": {"prompt_key": "prompt", "max_prompt_length": 512},
+        "actor_rollout_ref": {"rollout": {"max_tokens": 32}},
+        "trainer": {"project_name": "proj", "experiment_name": "exp-1",
+                    "hf_token": FAKE_TOKEN, "tracker": {"password": FAKE_PASSWORD,
+                                                        "url": f"https://u:{FAKE_PASSWORD}@h/x"}},
+    }
+    doc = artifacts.write_run_json(store, layout, config)
+    raw = store.read_bytes(layout.run_json).decode()
+    for v in SECRET_VALUES:
+        assert v not in raw
+    got = json.loads(raw)["config"]
+    assert got["data"]["prompt_key"] == "prompt"
+    assert got["actor_rollout_ref"]["rollout"]["max_tokens"] == 32
+    assert got["storage"]["key"] == "***" and got["trainer"]["hf_token"] == "***"
+    assert got["storage"]["root"] == f"s3://***@{BUCKET}/x"
+    assert got["trainer"]["tracker"]["url"] == "https://***@h/x"
+    assert doc["fingerprint"] == artifacts.fingerprint(got)
+    m = artifacts.write_stage(store, layout, 0, "reward", step_files()["reward"],
+                              fingerprint="f", extra={"note": f"used {FAKE_SECRET}",
+                                                      "secret_key": "x"})
+    raw = store.read_bytes(layout.manifest(0, "reward")).decode()
+    assert FAKE_SECRET not in raw and m["extra"]["secret_key"] == "***"
+    assert FAKE_SECRET not in repr(store) and FAKE_SECRET not in store.url("a")
+
+
+def test_s3_root_with_embedded_credentials(s3_endpoint):
+    store = Store.from_config({"root": f"s3://{FAKE_KEY}:{FAKE_SECRET}@{BUCKET}/embedded",
+                               "endpoint_url": s3_endpoint})
+    store.write_json("a.json", {"ok": True})
+    assert store.read_json("a.json") == {"ok": True}
+    assert store.url("a.json") == f"s3://{BUCKET}/embedded/a.json"
+
+
+# ---- crash safety ------------------------------------------------------------------------
+CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[2])
+from storage import artifacts
+from storage.layout import RunLayout
+from storage.store import Store
+from test_storage import step_files
+store = Store.from_config(json.loads(sys.argv[1]))
+layout = RunLayout("proj", "exp-1")
+artifacts.upload_files(store, layout, 0, "logprob", step_files(seed=7)["logprob"])
+print("READY", flush=True)
+time.sleep(120)
+"""
+
+
+def test_sigkill_between_artifact_and_manifest(store, layout, storage_cfg):
+    write_step(store, layout, 0, ("rollout", "logprob"))
+    old = artifacts.read_table(store, layout, 0, "logprob")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(storage_cfg),
+                              str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=REPO)
+    try:
+        assert child.stdout.readline().strip() == "READY"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    # the rewritten artifact is there, but no manifest commits it: the stage is incomplete
+    assert store.exists(layout.artifact(0, "logprob"))
+    assert store.read_parquet(layout.artifact(0, "logprob")) != old
+    assert artifacts.step_status(store, layout, 0) == {
+        "rollout": True, "logprob": False, "reward": False, "advantage": False, "update": False}
+    with pytest.raises(artifacts.IncompleteError):
+        artifacts.read_table(store, layout, 0, "logprob")
+    for stage, done in artifacts.step_status(store, layout, 0).items():
+        if done:
+            artifacts.read_table(store, layout, 0, stage)
+
+
+# ---- `stagerl runs` ----------------------------------------------------------------------
+def test_runs_command(store, storage_cfg, capsys, monkeypatch):
+    import flows.cli
+    monkeypatch.setattr(flows.cli, "COMMAND_MODULES", [
+        m for m in flows.cli.COMMAND_MODULES if importlib.util.find_spec(m)])
+    a, b = RunLayout("proj", "exp-a"), RunLayout("proj", "exp-b")
+    artifacts.write_run_json(store, a, {"trainer": {"project_name": "proj"}})
+    write_step(store, a, 0)
+    write_step(store, a, 1, ("rollout", "logprob", "reward"))
+    write_step(store, b, 0, ("rollout",))
+    if storage_cfg["root"].startswith("s3://"):  # the command reads credentials from AWS_*
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", storage_cfg["endpoint_url"])
+    assert flows.cli.main(["runs", "--root", storage_cfg["root"]]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[1]: ln.split() for ln in out.splitlines() if ln.startswith("proj ")}
+    assert lines["exp-a"][2:6] == ["1", "step", "1", "reward"]
+    assert lines["exp-b"][2:6] == ["0", "step", "0", "rollout"]
+    assert flows.cli.main(["runs", "--root", storage_cfg["root"], "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["experiment"]: r["last_step_done"] for r in rows} == {"exp-a": 0, "exp-b": None}
+
+
+# ---- last: nothing written anywhere contains a secret ------------------------------------
+def test_zz_no_secret_in_any_object(s3_endpoint):
+    import s3fs
+    if not LOCAL_DIRS:
+        pytest.skip("greps what the other storage tests wrote: run it with them")
+    blobs = {}
+    for d in LOCAL_DIRS:
+        for p in Path(d).rglob("*"):
+            if p.is_file():
+                blobs[str(p)] = p.read_bytes()
+    fs = s3fs.S3FileSystem(key=FAKE_KEY, secret=FAKE_SECRET, endpoint_url=s3_endpoint,
+                           skip_instance_cache=True)
+    for key in fs.find(BUCKET):
+        blobs[f"s3://{key}"] = fs.cat_file(key)
+    assert any(n.startswith('s3://') for n in blobs) and len(blobs) > 20
+    leaks = [(name, v) for name, data in blobs.items() for v in SECRET_VALUES
+             if v.encode() in data]
+    assert not leaks, leaks
