@@ -7,6 +7,7 @@
     {project}/{experiment}/steps/{step:06d}/_manifests/{stage}.json
     {project}/{experiment}/weights/step_{k:06d}/
     {project}/{experiment}/train_state/
+    {project}/{experiment}/plots/{name}.png
 """
 import re
 
@@ -115,6 +116,13 @@ class RunLayout:
 
     def weights(self, k: int) -> str:
         return f"{self.weights_dir}/step_{check_step(k):06d}"
+
+    def critic_weights(self, k: int) -> str:
+        """The critic after step k (an HF token-classification folder), what step k+1's values use."""
+        return f"{self.weights_dir}/critic_step_{check_step(k):06d}"
+
+    def plot(self, name: str) -> str:
+        return f"{self.base}/plots/{name}"
 
     @property
     def train_state(self) -> str:

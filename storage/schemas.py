@@ -88,8 +88,8 @@ SCHEMAS = {
     ),
     "logprob": StageSchema(
         "logprob",
-        required=[("old_log_probs", TOK_F32), ("ref_log_probs", TOK_F32), ("entropy", TOK_F32)],
-        optional=[("values", TOK_F32)],
+        required=[("old_log_probs", TOK_F32), ("entropy", TOK_F32)],
+        optional=[("ref_log_probs", TOK_F32), ("values", TOK_F32)],  # ref: only with KL; values: PPO
         per_token=("old_log_probs", "ref_log_probs", "entropy", "values"),
     ),
     "reward": StageSchema(

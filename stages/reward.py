@@ -1,0 +1,237 @@
+"""reward stage: score every rollout row (reference §2 step 6, §5.2).
+
+Each row is routed by its `data.reward_fn_key` column (default data_source) to the built-in rule
+scorers (stages.scorers) or scored by the user's `custom_reward_function.path/.name`, in worker
+processes with a per-row timeout (stages.reward_fns.score_batch; reward.num_workers, .timeout_s,
+.strict). A row whose scorer raises, returns a non-number/non-finite value, or times out scores 0
+with the reason in `error` and is counted in reward/errors or reward/timeouts (strict: the stage
+fails). With reward_model.enable, an HF sequence-classification model scores prompt + response in
+batches and its score is added to the rule score (column rm_score keeps it).
+
+reward.parquet, one row per rollout row in the same order: score, acc, extras (JSON of the reward
+function's other keys; scalar extras also get a column of their own), error, rm_score (RM only).
+The score is a scalar per row; the advantage stage places it at the last valid response token.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+
+import pyarrow as pa
+
+from storage.artifacts import read_table, write_table
+from storage.schemas import make_table
+
+STAGE = "reward"
+INPUTS = ("rollout",)
+CONFIG_KEYS = ("data.reward_fn_key", "custom_reward_function", "reward", "reward_model")
+RESERVED_COLUMNS = ("score", "acc", "extras", "error", "rm_score")
+
+
+class RewardInputError(ValueError):
+    """The rollout cannot be scored as configured (missing column, bad extra_info)."""
+
+
+class NonFiniteScoreError(ValueError):
+    """A final score is NaN or infinite; the message names the rows."""
+
+
+def run(ctx) -> dict:
+    t0 = time.perf_counter()
+    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    rows = scoring_rows(rollout, ctx.get("data.reward_fn_key", "data_source"))
+    fn_spec = {"path": ctx.get("custom_reward_function.path"),
+               "name": ctx.get("custom_reward_function.name"),
+               "reward_kwargs": ctx.get("custom_reward_function.reward_kwargs") or {}}
+    from stages.reward_fns import score_batch
+
+    results, metrics = score_batch(rows, fn_spec, num_workers=int(ctx.get("reward.num_workers", 2)),
+                                   timeout_s=float(ctx.get("reward.timeout_s", 10.0)),
+                                   strict=bool(ctx.get("reward.strict", False)))
+    timings = {"score_s": round(time.perf_counter() - t0, 4)}
+    scores = [r["score"] for r in results]
+    rm_scores = None
+    if ctx.get("reward_model.enable"):
+        t1 = time.perf_counter()
+        rm_scores = reward_model_scores(ctx, rollout)
+        scores = [s + rm for s, rm in zip(scores, rm_scores)]
+        timings["reward_model_s"] = round(time.perf_counter() - t1, 4)
+    check_finite(scores, "score")
+
+    table = reward_table(results, scores, rm_scores)
+    if table.num_rows != rollout.num_rows:  # cannot happen unless score_batch drops rows
+        raise RuntimeError(f"reward table has {table.num_rows} rows, rollout has {rollout.num_rows}")
+    metrics.update(score_metrics(table))
+    fingerprint = stage_fingerprint(ctx)
+    return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table, fingerprint=fingerprint,
+                       inputs=ctx.input_fingerprints(INPUTS), timings=timings,
+                       extra={"metrics": metrics})
+
+
+def stage_fingerprint(ctx) -> str:
+    """ctx.fingerprint plus the content of the custom reward file (editing it reruns the stage)."""
+    from storage.artifacts import fingerprint as hash_obj
+
+    base = ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS)
+    path = ctx.get("custom_reward_function.path")
+    if not path:
+        return base
+    full = os.path.abspath(os.path.expanduser(path))
+    digest = hashlib.sha256(open(full, "rb").read()).hexdigest() if os.path.isfile(full) else None
+    return hash_obj({"base": base, "custom_reward_file_sha256": digest})
+
+
+def scoring_rows(rollout: pa.Table, reward_fn_key: str) -> list[dict]:
+    """score_batch rows (data_source, solution_str, ground_truth, extra_info) from rollout rows."""
+    if reward_fn_key not in rollout.schema.names:
+        raise RewardInputError(f"data.reward_fn_key={reward_fn_key!r} is not a column of "
+                               f"rollout.parquet (columns: {', '.join(rollout.schema.names)})")
+    sources = rollout.column(reward_fn_key).to_pylist()
+    responses = rollout.column("response").to_pylist()
+    truths = rollout.column("ground_truth").to_pylist()
+    extras = rollout.column("extra_info").to_pylist()
+    rows = []
+    for i, (source, response, truth, extra) in enumerate(zip(sources, responses, truths, extras)):
+        rows.append({"data_source": source, "solution_str": response or "",
+                     "ground_truth": truth, "extra_info": parse_extra_info(extra, i)})
+    return rows
+
+
+def parse_extra_info(text, row: int):
+    """rollout's extra_info column is JSON text (empty or null: None)."""
+    if text is None or text == "":
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RewardInputError(f"rollout.parquet row {row}: extra_info is not valid JSON "
+                               f"({exc}): {text[:80]!r}") from exc
+
+
+def check_finite(values, what: str, where: str = "reward") -> None:
+    bad = [i for i, v in enumerate(values) if v is None or not math.isfinite(v)]
+    if bad:
+        shown = ", ".join(str(i) for i in bad[:20]) + (" ..." if len(bad) > 20 else "")
+        raise NonFiniteScoreError(f"{where}: {what} is NaN/inf/missing in {len(bad)} row(s): "
+                                  f"rows {shown}")
+
+
+def reward_table(results: list[dict], scores: list[float], rm_scores=None) -> pa.Table:
+    """score, acc (the scorer's acc; else the score), extras JSON, error, scalar extras, rm_score."""
+    columns = {
+        "score": scores,
+        "acc": [0.0 if r["error"] else float(r["acc"]) if r["acc"] is not None else float(r["score"])
+                for r in results],
+        "extras": [json.dumps(r["extras"], sort_keys=True, default=str) for r in results],
+        "error": [r["error"] for r in results],
+    }
+    if rm_scores is not None:
+        columns["rm_score"] = rm_scores
+    for key in sorted({k for r in results for k in r["extras"]}):
+        if key in RESERVED_COLUMNS:
+            continue
+        values = [r["extras"].get(key) for r in results]
+        if all(v is None or isinstance(v, (bool, int, float, str)) for v in values):
+            try:
+                columns[key] = pa.array(values)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                pass  # mixed types: only in the extras JSON
+    columns["error"] = pa.array(columns["error"], type=pa.string())
+    return make_table("reward", columns)
+
+
+def score_metrics(table: pa.Table) -> dict:
+    scores = table.column("score").to_pylist()
+    accs = table.column("acc").to_pylist()
+    metrics = {"reward/score/mean": sum(scores) / len(scores) if scores else 0.0,
+               "reward/score/max": max(scores, default=0.0),
+               "reward/score/min": min(scores, default=0.0),
+               "reward/acc/mean": sum(accs) / len(accs) if accs else 0.0}
+    if "rm_score" in table.schema.names:
+        rm = table.column("rm_score").to_pylist()
+        metrics["reward/rm_score/mean"] = sum(rm) / len(rm) if rm else 0.0
+    return metrics
+
+
+# ---- reward model ---------------------------------------------------------------------------
+def reward_model_scores(ctx, rollout: pa.Table) -> list[float]:
+    """Score prompt + response text with reward_model.model.path (num_labels=1), batched."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.path.expanduser(ctx.get("reward_model.model.path"))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"reward_model.model.path {path!r} is not a folder "
+                                "(an HF sequence-classification model)")
+    trust = bool(ctx.get("reward_model.model.trust_remote_code", False))
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust,
+                                                               dtype=torch.float32)
+    if model.config.num_labels != 1:
+        raise ValueError(f"reward model {path} has num_labels={model.config.num_labels}; "
+                         "a reward model outputs one score (num_labels=1)")
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    device = "cuda" if ctx.get("trainer.device") == "cuda" and torch.cuda.is_available() else "cpu"
+    model.to(device).eval()
+    max_length = ctx.get("reward_model.max_length")
+    texts = [(p or "") + (r or "") for p, r in zip(rollout.column("prompt").to_pylist(),
+                                                   rollout.column("response").to_pylist())]
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    if max_length:
+        encoded = [ids[-int(max_length):] for ids in encoded]  # keep the response end
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    scores: list[float] = []
+    with torch.no_grad():
+        for batch in rm_batches(ctx, encoded):
+            width = max(len(encoded[i]) for i in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attn = torch.zeros((len(batch), width), dtype=torch.long)
+            for j, i in enumerate(batch):  # right padding: the model reads the last non-pad token
+                ids[j, :len(encoded[i])] = torch.tensor(encoded[i])
+                attn[j, :len(encoded[i])] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
+            # transformers pools at the rightmost token != pad id: wrong only when a text ends in
+            # the pad token itself, then those rows are scored one by one without padding
+            scores.extend(logits[:, 0].float().cpu().tolist() if _pad_safe(encoded, batch, pad)
+                          else _last_token_scores(model, ids, attn, device))
+    return scores
+
+
+def _pad_safe(encoded, batch, pad) -> bool:
+    return all(encoded[i] and encoded[i][-1] != pad for i in batch)
+
+
+def _last_token_scores(model, ids, attn, device) -> list[float]:
+    """Per-row forward (no padding) when the pad id also occurs in the text."""
+    out = []
+    for j in range(ids.shape[0]):
+        n = int(attn[j].sum())
+        out.append(float(model(input_ids=ids[j:j + 1, :n].to(device)).logits[0, 0]))
+    return out
+
+
+def rm_batches(ctx, encoded: list) -> list[list[int]]:
+    """Row batches: reward_model.micro_batch_size_per_gpu rows (from the plan), or with
+    use_dynamic_bsz rows in order up to forward_max_token_len_per_gpu padded tokens."""
+    plan_rm = (ctx.plan or {}).get("reward_model") or {}
+    if plan_rm.get("use_dynamic_bsz"):
+        budget = int(ctx.get("reward_model.forward_max_token_len_per_gpu"))
+        batches, current, width = [], [], 0
+        for i, ids in enumerate(encoded):
+            new_width = max(width, len(ids))
+            if current and new_width * (len(current) + 1) > budget:
+                batches.append(current)
+                current, new_width = [], len(ids)
+            current.append(i)
+            width = new_width
+        return batches + ([current] if current else [])
+    micro = plan_rm.get("micro_batch_size_per_gpu") or ctx.get("reward_model.micro_batch_size_per_gpu")
+    if not micro:
+        raise ValueError("reward_model.enable needs reward_model.micro_batch_size_per_gpu "
+                         "(rows per reward-model forward) or reward_model.use_dynamic_bsz")
+    micro = int(micro)
+    return [list(range(s, min(s + micro, len(encoded)))) for s in range(0, len(encoded), micro)]
