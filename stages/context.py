@@ -66,16 +66,22 @@ class StageContext:
         return out
 
     def actor_weights(self) -> Path:
-        """Local folder of the policy this step samples from (weights of step-1, or the initial model)."""
-        if self.step <= 1:
-            return Path(os.path.expanduser(self.get("actor_rollout_ref.model.path")))
+        """Local folder of the policy this step samples from: the weights written by step-1 (step 0 is
+        the warm start when warmstart.enable), or the initial model folder."""
+        if self.step <= 1 and not self.get("warmstart.enable"):
+            return self.reference_weights(initial=True)
+        return self._load_weights(max(self.step - 1, 0))
+
+    def reference_weights(self, initial: bool = False) -> Path:
+        """The reference policy: the warm-started model when warmstart.enable, else the initial folder."""
+        if self.get("warmstart.enable") and not initial:
+            return self._load_weights(0)
+        return Path(os.path.expanduser(self.get("actor_rollout_ref.model.path")))
+
+    def _load_weights(self, k: int) -> Path:
         from storage.weights import load_weights
 
-        return load_weights(self.store, self.layout, self.step - 1, cache_dir=self.get("storage.cache_dir"))
-
-    def reference_weights(self) -> Path:
-        """The reference policy is the initial model folder."""
-        return Path(os.path.expanduser(self.get("actor_rollout_ref.model.path")))
+        return load_weights(self.store, self.layout, k, cache_dir=self.get("storage.cache_dir"))
 
     def to_json(self) -> str:
         """What a child process (an N-rank job) needs to rebuild this context."""

@@ -12,6 +12,8 @@
 import re
 
 STAGES = ("rollout", "logprob", "reward", "advantage", "update")
+# Stages that run once before step 1, recorded under step 0 (the optional supervised warm start).
+SETUP_STAGES = ("warmstart",)
 # Files each stage writes, relative to its step folder.
 STAGE_FILES = {
     "rollout": ("rollout.parquet",),
@@ -19,6 +21,7 @@ STAGE_FILES = {
     "reward": ("reward.parquet",),
     "advantage": ("advantage.parquet",),
     "update": ("update/metrics.json", "update/microbatches.parquet"),
+    "warmstart": ("warmstart/metrics.json",),
 }
 LOCK_NAME = "_lock.json"
 WEIGHTS_MANIFEST = "_manifest.json"
@@ -47,8 +50,8 @@ def check_name(name, what: str = "name") -> str:
 
 
 def check_stage(stage: str) -> str:
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    if stage not in STAGES + SETUP_STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES + SETUP_STAGES)}")
     return stage
 
 
