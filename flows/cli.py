@@ -11,6 +11,10 @@ COMMAND_MODULES = [
     "flows.cmd_model",
     "flows.cmd_data",
     "flows.cmd_runs",
+    "flows.cmd_inspect",
+    "flows.cmd_query",
+    "flows.cmd_plot",
+    "flows.cmd_stats",
 ]
 
 

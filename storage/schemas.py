@@ -108,7 +108,7 @@ SCHEMAS = {
         "microbatches",
         required=[("rank", I32), ("micro_batch", I32), ("rows", TOK_I32),
                   ("real_tokens", I64), ("padded_tokens", I64)],
-        optional=[("mini_batch", I32)],
+        optional=[("mini_batch", I32), ("epoch", I32), ("role", pa.string())],
     ),
 }
 

@@ -1,0 +1,307 @@
+"""What `stagerl inspect` and `stagerl show` compute from a run (storage.run_view.RunView): one
+step's per-stage summary, the best and worst samples, one sample joined across the five stages;
+plus the run arguments and error handling every run command shares."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+from storage.layout import STAGES
+
+ERROR_EXIT = 2
+
+
+# ---- shared CLI plumbing ------------------------------------------------------------------------
+def add_run_arguments(parser, experiment: bool = True) -> None:
+    if experiment:
+        parser.add_argument("experiment", help="trainer.experiment_name of the run")
+    parser.add_argument("--project", default=None,
+                        help="trainer.project_name (default: the config's)")
+    parser.add_argument("--root", default=None,
+                        help="store root, a local path or s3://bucket/prefix (default: "
+                             "$STAGERL_ROOT, else the config's storage.root); S3 credentials "
+                             "and endpoint come from the config's storage.* or AWS_* variables")
+    parser.add_argument("--config", default="tiny-cpu",
+                        help="config name or YAML file giving storage.* and trainer.project_name")
+
+
+def load_cli_config(args, overrides=()):
+    from configs.loader import load_config
+
+    return load_config(args.config, list(overrides))
+
+
+def open_view(args, cfg=None):
+    """The RunView named by --root/--project/--config and args.experiment."""
+    from storage.run_view import RunView
+    from storage.store import Store
+
+    cfg = cfg or load_cli_config(args)
+    storage = dict(cfg.get("storage") or {})
+    storage["root"] = args.root or os.environ.get("STAGERL_ROOT") or storage.get("root")
+    project = args.project or (cfg.get("trainer") or {}).get("project_name")
+    return RunView.open(Store.from_config(storage), project, args.experiment)
+
+
+def guarded(func):
+    """Run a command; a missing run/step, bad config or bad name prints one line, exit code 2."""
+    @functools.wraps(func)
+    def wrapper(args):
+        from configs.schema import ConfigError
+        from storage.artifacts import ChecksumError, IncompleteError
+        from storage.layout import InvalidName
+        from storage.run_view import RunNotFound, StepIncomplete
+
+        try:
+            return func(args)
+        except (RunNotFound, StepIncomplete, IncompleteError, ChecksumError, ConfigError,
+                InvalidName, FileNotFoundError, LookupError, ValueError) as exc:
+            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            print(f"stagerl {args.command}: error: {msg}", file=sys.stderr)
+            return ERROR_EXIT
+    return wrapper
+
+
+# ---- numbers from tables ------------------------------------------------------------------------
+def _stats(values) -> dict:
+    values = [float(v) for v in values if v is not None]
+    if not values:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+def token_mean(table, column: str):
+    """Mean over every token of every row (None when the column is absent or has no tokens)."""
+    import pyarrow.compute as pc
+
+    if column not in table.schema.names:
+        return None
+    flat = pc.list_flatten(table.column(column))
+    return None if len(flat) == 0 else float(pc.mean(flat).as_py())
+
+
+def seq_means(table, column: str) -> list:
+    """Per-row mean of a per-token column (None for empty rows)."""
+    return [sum(v) / len(v) if v else None for v in table.column(column).to_pylist()]
+
+
+def stage_header(view, step: int, stage: str) -> dict:
+    manifest = view.manifest(step, stage)
+    if manifest is None:
+        return {"status": "incomplete"}
+    return {"status": "complete", "rows": manifest.get("row_count"),
+            "bytes": manifest.get("bytes"), "timings": manifest.get("timings") or {}}
+
+
+def rollout_metrics(view, step: int) -> dict:
+    t = view.table(step, "rollout")
+    lengths = t.column("response_length").to_pylist()
+    limit = view.max_response_length
+    resp = _stats(lengths)
+    resp["clip_ratio"] = (sum(1 for n in lengths if n >= limit) / len(lengths)
+                          if limit and lengths else None)
+    reasons = {}
+    for r in t.column("finish_reason").to_pylist():
+        reasons[r] = reasons.get(r, 0) + 1
+    return {"response_length": resp,
+            "prompt_length": _stats(len(ids) for ids in t.column("prompt_ids").to_pylist()),
+            "finish_reason": reasons, "prompts": len(set(t.column("uid").to_pylist()))}
+
+
+def logprob_metrics(view, step: int) -> dict:
+    t = view.table(step, "logprob")
+    out = {"entropy/token_mean": token_mean(t, "entropy"),
+           "old_log_prob/token_mean": token_mean(t, "old_log_probs")}
+    if "ref_log_probs" in t.schema.names:
+        import pyarrow.compute as pc
+        old = pc.list_flatten(t.column("old_log_probs"))
+        ref = pc.list_flatten(t.column("ref_log_probs"))
+        out["kl_old_ref_k1/token_mean"] = (float(pc.mean(pc.subtract(old, ref)).as_py())
+                                           if len(old) else None)
+    if "values" in t.schema.names:
+        out["values/token_mean"] = token_mean(t, "values")
+    extra = view.stage_extra(step, "logprob")  # loads {role: [per rank]}, rank_timings
+    return {"metrics": out, "loads": {k: extra[k] for k in ("loads", "rank_timings") if k in extra}}
+
+
+def reward_metrics(view, step: int) -> dict:
+    t = view.table(step, "reward")
+    out = {"score": _stats(t.column("score").to_pylist()),
+           "acc_mean": _stats(t.column("acc").to_pylist())["mean"]}
+    if "error" in t.schema.names:
+        out["errors"] = sum(1 for e in t.column("error").to_pylist() if e)
+    return out
+
+
+def advantage_metrics(view, step: int) -> dict:
+    t = view.table(step, "advantage")
+    return {"advantage/token_mean": token_mean(t, "advantages"),
+            "kl_in_reward/token_mean": token_mean(t, "kl"),
+            "data_metrics": view.data_metrics(step)}
+
+
+def actor_pass(microbatches) -> list:
+    """The actor's micro-batches of the first PPO epoch (the table also holds the critic's
+    and later epochs', which repeat the same rows), as dicts."""
+    return [r for r in microbatches.to_pylist()
+            if r.get("role", "actor") in ("actor", None) and not r.get("epoch")]
+
+
+def rank_balance(microbatches) -> dict:
+    """Per rank (actor, first epoch): micro-batches, rows, real and padded tokens; max/mean of
+    rows and real tokens."""
+    ranks = {}
+    for r in actor_pass(microbatches):
+        entry = ranks.setdefault(r["rank"], {"rank": r["rank"], "micro_batches": 0, "rows": 0,
+                                             "real_tokens": 0, "padded_tokens": 0})
+        entry["micro_batches"] += 1
+        entry["rows"] += len(r["rows"])
+        entry["real_tokens"] += r["real_tokens"]
+        entry["padded_tokens"] += r["padded_tokens"]
+    per_rank = [ranks[k] for k in sorted(ranks)]
+
+    def max_over_mean(key):
+        vals = [e[key] for e in per_rank]
+        mean = sum(vals) / len(vals) if vals else 0
+        return max(vals) / mean if mean else None
+    return {"ranks": per_rank, "rows_max_over_mean": max_over_mean("rows"),
+            "tokens_max_over_mean": max_over_mean("real_tokens")}
+
+
+def update_metrics(view, step: int) -> dict:
+    metrics = {k: v for k, v in view.update_metrics(step).items()
+               if not k.startswith(LOAD_METRICS)}
+    balance = rank_balance(view.table(step, "update"))
+    return {"rows": sum(r["rows"] for r in balance["ranks"]), "metrics": metrics,
+            "losses": {k: v for k, v in metrics.items() if "loss" in k},
+            "balance": balance,
+            "loads": view.update_metrics(step, raw=True).get(LOAD_METRICS) or {}}
+
+
+LOAD_METRICS = "update/micro_batch_loads"  # per role/rank loads the update stage records
+STAGE_METRICS = {"rollout": rollout_metrics, "logprob": logprob_metrics,
+                 "reward": reward_metrics, "advantage": advantage_metrics,
+                 "update": update_metrics}
+
+
+def samples(view, step: int, k: int = 2) -> dict:
+    """The k best and k worst rows by score (ties: higher advantage first for best)."""
+    rollout, reward = view.table(step, "rollout"), view.table(step, "reward")
+    adv = (seq_means(view.table(step, "advantage"), "advantages")
+           if view.manifest(step, "advantage") else [None] * rollout.num_rows)
+    rows = []
+    for i, (uid, idx, prompt, response, score, acc) in enumerate(zip(
+            rollout.column("uid").to_pylist(), rollout.column("sample_index").to_pylist(),
+            rollout.column("prompt").to_pylist(), rollout.column("response").to_pylist(),
+            reward.column("score").to_pylist(), reward.column("acc").to_pylist())):
+        rows.append({"row": i, "uid": uid, "sample_index": idx, "prompt": prompt,
+                     "response": response, "score": score, "acc": acc, "advantage": adv[i]})
+    adv_key = lambda r: r["advantage"] if r["advantage"] is not None else 0.0  # noqa: E731
+    best = sorted(rows, key=lambda r: (-r["score"], -adv_key(r), r["row"]))[:k]
+    worst = sorted(rows, key=lambda r: (r["score"], adv_key(r), r["row"]))[:k]
+    return {"best": best, "worst": worst}
+
+
+def step_summary(view, step: int, stage: str = None, n_samples: int = 2) -> dict:
+    """Per stage: status, rows, timings and metrics; the step's best/worst samples."""
+    status = view.status(step)
+    out = {"step": step, "status": "complete" if all(status.values()) else "incomplete",
+           "stages": {}}
+    for name in ([stage] if stage else STAGES):
+        section = stage_header(view, step, name)
+        if section["status"] == "complete":
+            section.update(STAGE_METRICS[name](view, step))
+        out["stages"][name] = section
+    if (stage in (None, "reward")) and status["rollout"] and status["reward"]:
+        out["samples"] = samples(view, step, n_samples)
+    return out
+
+
+def overview_row(view, step: int) -> dict:
+    """One line of `stagerl inspect EXP`: the main numbers of a step from what is complete."""
+    status = view.status(step)
+    row = {"step": step, "status": "complete" if all(status.values()) else "incomplete",
+           "missing": [s for s in STAGES if not status[s]]}
+    if status["rollout"]:
+        row["rows"] = view.table(step, "rollout").num_rows
+        row["response_length/mean"] = rollout_metrics(view, step)["response_length"]["mean"]
+    if status["reward"]:
+        r = reward_metrics(view, step)
+        row["score/mean"], row["acc/mean"] = r["score"]["mean"], r["acc_mean"]
+    if status["logprob"]:
+        m = logprob_metrics(view, step)["metrics"]
+        row["entropy"], row["kl"] = m["entropy/token_mean"], m.get("kl_old_ref_k1/token_mean")
+    if status["update"]:
+        m = view.update_metrics(step)
+        row["pg_loss"] = m.get("actor/pg_loss")
+    return row
+
+
+# ---- one sample across the stages ---------------------------------------------------------------
+def find_row(view, step: int, uid: str, sample: int) -> int:
+    t = view.table(step, "rollout")
+    uids, idx = t.column("uid").to_pylist(), t.column("sample_index").to_pylist()
+    for i, (u, s) in enumerate(zip(uids, idx)):
+        if u == uid and s == sample:
+            return i
+    known = sorted(set(uids))
+    if uid not in known:
+        raise LookupError(f"step {step} of {view.name} has no uid {uid!r} (uids: "
+                          f"{', '.join(known[:10])}{' ...' if len(known) > 10 else ''})")
+    have = sorted(s for u, s in zip(uids, idx) if u == uid)
+    raise LookupError(f"uid {uid!r} of step {step} has no sample {sample} (samples: {have})")
+
+
+def load_tokenizer_for(view, step: int):
+    """The tokenizer the step sampled with: the run's model path, else weights/step_{k-1};
+    None (token ids shown) when neither is readable here."""
+    from stages.models import load_tokenizer
+
+    candidates = []
+    path = view.config_value("actor_rollout_ref.model.path")
+    if path:
+        candidates.append(lambda: load_tokenizer(os.path.expanduser(str(path))))
+    if step > 1:
+        from storage.weights import load_weights
+        candidates.append(lambda: load_tokenizer(load_weights(view.store, view.layout, step - 1)))
+    for make in candidates:
+        try:
+            return make()
+        except Exception:
+            continue
+    return None
+
+
+def sample_view(view, step: int, uid: str, sample: int = 0, tokenizer=None) -> dict:
+    """One rollout row joined with its logprob, reward, advantage rows and update micro-batches;
+    `tokens` lists per-token id, text, and every per-token value of the complete stages."""
+    view.require(step, ["rollout"])
+    row = find_row(view, step, uid, sample)
+    status = view.status(step)
+    r = view.table(step, "rollout").slice(row, 1).to_pylist()[0]
+    out = {"step": step, "row": row, "uid": uid, "sample_index": sample,
+           "status": {s: ("complete" if status[s] else "incomplete") for s in STAGES},
+           "rollout": {k: v for k, v in r.items() if k not in ("response_ids", "rollout_log_probs")}}
+    per_token = {"token_id": r["response_ids"]}
+    if r.get("rollout_log_probs") is not None:
+        per_token["rollout_log_prob"] = r["rollout_log_probs"]
+    for stage, columns in (("logprob", {"old_log_probs": "old_log_prob",
+                                        "ref_log_probs": "ref_log_prob",
+                                        "entropy": "entropy", "values": "value"}),
+                           ("advantage", {"advantages": "advantage", "returns": "return",
+                                          "token_level_rewards": "token_reward", "kl": "kl"})):
+        if status[stage]:
+            rec = view.table(step, stage).slice(row, 1).to_pylist()[0]
+            for col, label in columns.items():
+                if rec.get(col) is not None:
+                    per_token[label] = rec[col]
+    if status["reward"]:
+        out["reward"] = view.table(step, "reward").slice(row, 1).to_pylist()[0]
+    if status["update"]:
+        out["update"] = [{k: v for k, v in mb.items() if k != "rows"}
+                         for mb in view.table(step, "update").to_pylist() if row in mb["rows"]]
+    if tokenizer is not None:
+        per_token["token"] = [tokenizer.decode([t]) for t in r["response_ids"]]
+    out["tokens"] = [dict(zip(per_token, vals)) for vals in zip(*per_token.values())]
+    return out

@@ -1,0 +1,155 @@
+"""`stagerl plot`: PNG figures of a run written to its plots/ folder in the store (matplotlib, Agg).
+
+    metrics.png                          reward, acc, KL, entropy, response length over steps
+    response_length_step{K:06d}.png      histogram of response lengths of step K
+    rank_load_step{K:06d}.png            real and padded tokens per update rank
+    microbatch_tokens_step{K:06d}.png    tokens of each micro-batch against the token budget
+Every axis gets an x and a y label; `save` refuses a figure with an unlabelled axis."""
+from __future__ import annotations
+
+import io
+
+from flows.inspect_lib import overview_row
+
+OVER_STEPS = (("score/mean", "reward (score mean)"), ("acc/mean", "acc (mean)"),
+              ("kl", "KL(old || ref), k1 token mean"), ("entropy", "entropy (token mean)"),
+              ("response_length/mean", "response length (tokens)"))
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def axis_labels(fig) -> list:
+    return [{"title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel()}
+            for ax in fig.get_axes() if ax.get_visible()]
+
+
+def save(view, fig, name: str) -> dict:
+    """Write `fig` as plots/{name} in the run's store folder; returns its key, url and labels."""
+    labels = axis_labels(fig)
+    unlabelled = [i for i, a in enumerate(labels) if not a["xlabel"] or not a["ylabel"]]
+    if unlabelled:
+        raise ValueError(f"plot {name}: axes {unlabelled} have no x or y label")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    _pyplot().close(fig)
+    key = view.layout.plot(name)
+    view.store.write_bytes(key, buf.getvalue())
+    return {"name": name, "key": key, "url": view.store.url(key), "axes": labels}
+
+
+def metrics_figure(view, steps):
+    plt = _pyplot()
+    rows = [overview_row(view, s) for s in steps]
+    for r, s in zip(rows, steps):  # KL: the update's ppo_kl when the run has no reference
+        if r.get("kl") is None and view.manifest(s, "update"):
+            r["kl"] = view.update_metrics(s).get("actor/ppo_kl")
+    fig, axes = plt.subplots(len(OVER_STEPS), 1, figsize=(6, 2.2 * len(OVER_STEPS)), sharex=True)
+    for ax, (key, label) in zip(axes, OVER_STEPS):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_title(f"{view.name}")
+    return fig
+
+
+def length_histogram(view, step: int):
+    plt = _pyplot()
+    lengths = view.table(step, "rollout").column("response_length").to_pylist()
+    limit = view.max_response_length or max(lengths or [1])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(lengths, bins=range(0, limit + 2), color="tab:blue", edgecolor="white")
+    ax.axvline(limit, color="tab:red", linestyle="--", label=f"max_response_length={limit}")
+    ax.set_xlabel("response length (tokens)")
+    ax.set_ylabel("rows")
+    ax.set_title(f"step {step}: response lengths ({len(lengths)} rows)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def rank_load(view, step: int):
+    from flows.inspect_lib import rank_balance
+
+    plt = _pyplot()
+    bal = rank_balance(view.table(step, "update"))
+    ranks = [r["rank"] for r in bal["ranks"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.4
+    ax.bar([r - width / 2 for r in ranks], [r["real_tokens"] for r in bal["ranks"]], width,
+           label="real tokens")
+    ax.bar([r + width / 2 for r in ranks], [r["padded_tokens"] for r in bal["ranks"]], width,
+           label="padded tokens")
+    ax.set_xticks(ranks)
+    ax.set_xlabel("rank")
+    ax.set_ylabel("tokens")
+    ratio = bal["tokens_max_over_mean"]
+    ax.set_title(f"step {step}: update load per rank (tokens max/mean "
+                 f"{ratio:.3f})" if ratio else f"step {step}: update load per rank")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def token_budget(view):
+    """(budget, label) of the update's micro-batches: ppo_max_token_len_per_gpu when
+    use_dynamic_bsz, else None (micro-batches are formed by row count)."""
+    if not view.config_value("actor_rollout_ref.actor.use_dynamic_bsz"):
+        return None, None
+    budget = view.config_value("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    return (int(budget), f"token budget ppo_max_token_len_per_gpu={budget}") if budget else (None, None)
+
+
+def microbatch_tokens(view, step: int):
+    plt = _pyplot()
+    from flows.inspect_lib import actor_pass
+
+    mbs = sorted(actor_pass(view.table(step, "update")),
+                 key=lambda r: (r["rank"], r.get("mini_batch") or 0, r["micro_batch"]))
+    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(mbs)), 3.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    xs = list(range(len(mbs)))
+    ax.bar(xs, [m["padded_tokens"] for m in mbs], color="none", edgecolor="grey",
+           label="padded tokens")
+    ax.bar(xs, [m["real_tokens"] for m in mbs],
+           color=[colors[m["rank"] % len(colors)] for m in mbs], label="real tokens (colour: rank)")
+    budget, label = token_budget(view)
+    if budget:
+        ax.axhline(budget, color="tab:red", linestyle="--", label=label)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"r{m['rank']}.{m['micro_batch']}" for m in mbs], rotation=90, fontsize=7)
+    ax.set_xlabel("micro-batch (rank.index)")
+    ax.set_ylabel("tokens")
+    ax.set_title(f"step {step}: actor tokens per micro-batch (epoch 0)"
+                 + ("" if budget else " (static micro-batches: no token budget)"))
+    ax.legend(fontsize=8)
+    return fig
+
+
+def make_plots(view, steps=None) -> list:
+    """Every plot of the run (or of `steps`); returns what `save` returned for each."""
+    all_steps = view.steps()
+    chosen = all_steps if steps is None else steps
+    if not any(view.manifest(s, "rollout") for s in chosen):
+        raise LookupError(f"{view.name} has no step with a complete rollout yet: nothing to plot")
+    out = [save(view, metrics_figure(view, [s for s in all_steps if view.manifest(s, "rollout")]),
+                "metrics.png")]
+    for step in chosen:
+        if view.manifest(step, "rollout"):
+            out.append(save(view, length_histogram(view, step),
+                            f"response_length_step{step:06d}.png"))
+        if view.manifest(step, "update"):
+            out.append(save(view, rank_load(view, step), f"rank_load_step{step:06d}.png"))
+            out.append(save(view, microbatch_tokens(view, step),
+                            f"microbatch_tokens_step{step:06d}.png"))
+    return out
+

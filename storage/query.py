@@ -1,0 +1,111 @@
+"""SQL over a run: every complete step's parquet as DuckDB tables, and verl's rollout dump rows.
+
+Tables (each with `step` and `row`, the row's index in its step, so stages join on (step, row)):
+    rollout, logprob, reward, advantage   one row per rollout row
+    microbatches                          update/microbatches.parquet, one row per (rank, micro-batch)
+    metrics                               step, source ('update' | 'advantage'), name, value
+Only stages with a manifest count (read through storage.artifacts, checksums verified). The
+tables are registered as Arrow tables, so a local store and S3 behave the same.
+
+    con = connect(view);  con.sql("SELECT step, avg(score) FROM reward GROUP BY step")
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+from storage.schemas import SCHEMAS
+
+TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics")
+_STAGE_OF = {"rollout": "rollout", "logprob": "logprob", "reward": "reward",
+             "advantage": "advantage", "microbatches": "update"}
+_METRICS_SCHEMA = pa.schema([("step", pa.int32()), ("source", pa.string()),
+                             ("name", pa.string()), ("value", pa.float64())])
+
+
+def _with_keys(table: pa.Table, step: int) -> pa.Table:
+    n = table.num_rows
+    table = table.append_column("step", pa.array([step] * n, pa.int32()))
+    return table.append_column("row", pa.array(range(n), pa.int32()))
+
+
+def _empty(name: str) -> pa.Table:
+    fields = list(SCHEMAS[name].required) + list(SCHEMAS[name].optional)
+    return pa.schema(fields + [("step", pa.int32()), ("row", pa.int32())]).empty_table()
+
+
+def stage_table(view, name: str, steps=None) -> pa.Table:
+    """One table over the complete steps (those with `name`'s manifest), with step and row."""
+    if name == "metrics":
+        return metrics_table(view, steps)
+    if name not in _STAGE_OF:
+        raise KeyError(f"no table {name!r}; tables are {', '.join(TABLES)}")
+    stage = _STAGE_OF[name]
+    chosen = view.complete_steps([stage]) if steps is None else steps
+    parts = [_with_keys(view.table(step, stage), step) for step in chosen
+             if view.manifest(step, stage) is not None]
+    if not parts:
+        return _empty(name)
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+def metrics_table(view, steps=None) -> pa.Table:
+    rows = {"step": [], "source": [], "name": [], "value": []}
+    for step in (view.steps() if steps is None else steps):
+        for source, metrics in (("update", view.update_metrics(step)),
+                                ("advantage", view.data_metrics(step))):
+            for key, value in sorted(metrics.items()):
+                rows["step"].append(step)
+                rows["source"].append(source)
+                rows["name"].append(key)
+                rows["value"].append(value)
+    return pa.table(rows, schema=_METRICS_SCHEMA)
+
+
+def connect(view, tables=TABLES):
+    """An in-memory DuckDB connection with the run's tables registered."""
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    for name in tables:
+        con.register(name, stage_table(view, name))
+    return con
+
+
+def tables_in(sql: str) -> list:
+    """The known table names a query mentions (so only those are loaded)."""
+    import re
+
+    words = set(re.findall(r"[A-Za-z_]+", sql.lower()))
+    return [t for t in TABLES if t in words]
+
+
+def run_query(view, sql: str):
+    """(column names, rows as tuples) of `sql` over the run."""
+    con = connect(view, tables_in(sql) or TABLES)
+    try:
+        result = con.execute(sql)
+        columns = [d[0] for d in result.description or []]
+        return columns, result.fetchall()
+    finally:
+        con.close()
+
+
+# ---- verl's rollout dump (trainer.rollout_data_dir: one {step}.jsonl per step) -----------------
+def dump_rows(view, step: int) -> list:
+    """verl's `_dump_generations` entries for one step: input, output, gts, score, step, then the
+    reward's scalar extra columns (acc, ...), one dict per rollout row in order."""
+    view.require(step, ["rollout", "reward"])
+    rollout, reward = view.table(step, "rollout"), view.table(step, "reward")
+    n = rollout.num_rows
+    data = {"input": rollout.column("prompt").to_pylist(),
+            "output": rollout.column("response").to_pylist(),
+            "gts": rollout.column("ground_truth").to_pylist(),
+            "score": reward.column("score").to_pylist(),
+            "step": [step] * n}
+    for field in reward.schema:
+        if field.name in data or field.name == "extras":
+            continue
+        if pa.types.is_integer(field.type) or pa.types.is_floating(field.type) \
+                or pa.types.is_string(field.type) or pa.types.is_boolean(field.type):
+            data[field.name] = reward.column(field.name).to_pylist()
+    return [{k: v[i] for k, v in data.items()} for i in range(n)]
