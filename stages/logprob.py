@@ -1,0 +1,247 @@
+"""logprob stage: old (actor) log-probs and entropy, reference log-probs, critic values, on N ranks
+(reference §2 steps 4 and 7-9, §3).
+
+1. Rows are balanced over the plan's dp ranks with verl's balance_batch (equal-size
+   Karmarkar-Karp on workload 24576·s + s², s = prompt + response tokens); rank r takes
+   partitions[r]. The permutation (rank 0's rows, then rank 1's, ...) is stored in the manifest
+   extra["permutation"], and each output row's rank in the `rank` column; the artifact itself
+   stays in rollout order.
+2. Each rank runs, per role, forwards in micro-batches: `*_micro_batch_size_per_gpu` rows, or
+   with `*_use_dynamic_bsz` token-budget micro-batches (verl's rearrange_micro_batches, the count
+   all-reduced MAX over ranks) whose outputs are put back in row order. With
+   model.use_remove_padding a micro-batch runs packed (no padding tokens), else padded
+   (prompts left-padded, responses right-padded).
+   - actor: ctx.actor_weights(), logits / rollout.temperature -> old_log_probs and entropy
+   - ref (plan["ref"] not None): ctx.reference_weights(), same temperature -> ref_log_probs
+   - critic (plan["critic"] not None): critic.model.path at step 1, the store's
+     weights/critic_step_{k-1} later -> values
+3. Each rank prints its load line per role; loads go to the manifest extra["loads"].
+The vocab projection is chunked (stages.models.response_log_probs): no full-vocab log-softmax
+of a whole micro-batch is ever held."""
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+from stages import batching, models
+
+STAGE = "logprob"
+INPUTS = ("rollout",)
+CONFIG_KEYS = ("actor_rollout_ref.model", "actor_rollout_ref.rollout.temperature",
+               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+               "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+               "actor_rollout_ref.ref", "actor_rollout_ref.actor.deepspeed.dtype",
+               "critic.model", "critic.enable", "algorithm.adv_estimator", "trainer.device")
+# actor_rollout_ref.model.use_remove_padding / critic.model.use_remove_padding: micro-batches run
+# packed (batching.pack: one unpadded sequence, attention kept inside each row), as verl's rmpad.
+CHUNK = 1024  # positions per vocab projection
+
+
+def run(ctx) -> dict:
+    """Compute the step's logprob.parquet (in rollout row order) and commit it."""
+    from stages.launch import run_ranks
+    from storage.artifacts import read_table, write_table
+    from storage.schemas import make_table
+
+    t0 = time.perf_counter()
+    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    n_rows = rollout.num_rows
+    world = ctx.plan["actor"]["dp_size"]
+    check_inputs(ctx, rollout, world)
+    device = str(ctx.get("trainer.device") or "cpu")
+    results = run_ranks("stages.logprob", ctx, world, device=device)
+    columns = {name: [None] * n_rows for name in _output_columns(ctx.plan)}
+    rank_of = [None] * n_rows
+    for rank, result in enumerate(results):
+        for pos, row in enumerate(result["rows"]):
+            rank_of[row] = rank
+            for name in columns:
+                columns[name][row] = result[name][pos]
+    if any(r is None for r in rank_of):
+        missing = [i for i, r in enumerate(rank_of) if r is None][:5]
+        raise RuntimeError(f"logprob: rows {missing} were computed by no rank")
+    columns["rank"] = rank_of
+    table = make_table("logprob", columns)
+    permutation = [row for result in results for row in result["rows"]]
+    extra = {"world": world, "permutation": permutation,
+             "loads": {role: [r["loads"][role] for r in results] for role in results[0]["loads"]},
+             "rank_timings": [r["timings"] for r in results]}
+    return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table,
+                       fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
+                       inputs=ctx.input_fingerprints(INPUTS),
+                       timings={"logprob_s": round(time.perf_counter() - t0, 4)}, extra=extra)
+
+
+def check_inputs(ctx, rollout, world: int) -> None:
+    """Fail before launching ranks: model folders exist, rows split over ranks, every token
+    budget covers the longest sequence (the message names the key and the row)."""
+    if rollout.num_rows == 0:
+        raise ValueError(f"rollout.parquet of step {ctx.step} has no rows")
+    if rollout.num_rows % world:
+        raise ValueError(f"{rollout.num_rows} rollout rows are not divisible by {world} logprob ranks")
+    models.check_model_folder(ctx.actor_weights(), "actor_rollout_ref.model.path (policy)")
+    if ctx.plan.get("ref") is not None:
+        models.check_model_folder(ctx.reference_weights(), "reference policy (actor_rollout_ref.model.path)")
+    if ctx.plan.get("critic") is not None and ctx.step <= 1:
+        models.check_model_folder(critic_weights(ctx), "critic.model.path")
+    seqlens = [len(p) + len(r) for p, r in zip(rollout.column("prompt_ids").to_pylist(),
+                                               rollout.column("response_ids").to_pylist())]
+    longest = max(seqlens)
+    for role in _roles(ctx.plan):
+        _, dynamic, budget = _role_sizes(ctx.plan, role)
+        if dynamic and (budget is None or budget < longest):
+            raise ValueError(f"{BUDGET_KEYS[role]}={budget} is below the longest sequence: row "
+                             f"{seqlens.index(longest)} has {longest} tokens (prompt + response); "
+                             f"a sequence is never split across micro-batches")
+
+
+BUDGET_KEYS = {"actor": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+               "ref": "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+               "critic": "critic.forward_max_token_len_per_gpu"}
+
+
+def _output_columns(plan) -> list[str]:
+    names = ["old_log_probs", "entropy"]
+    if plan.get("ref") is not None:
+        names.append("ref_log_probs")
+    if plan.get("critic") is not None:
+        names.append("values")
+    return names
+
+
+# ---- one rank --------------------------------------------------------------------------------
+def rank_main(ctx, rank: int, world: int) -> dict:
+    """This rank's share: {rows (step row indices), per-token columns (lists), loads, timings}."""
+    from stages.launch import init_distributed, rank_device
+    from storage.artifacts import read_table
+
+    device = str(ctx.extra.get("device") or ctx.get("trainer.device") or "cpu")
+    if world > 1:
+        init_distributed(device)
+    device = rank_device(device)
+    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    prompts = rollout.column("prompt_ids").to_pylist()
+    responses = rollout.column("response_ids").to_pylist()
+    seqlens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    mine = batching.balance_partitions(seqlens, world)[rank]
+    rows = [{"prompt_ids": prompts[i], "response_ids": responses[i]} for i in mine]
+    del prompts, responses, rollout
+    my_lens = [seqlens[i] for i in mine]
+    prompt_lens = [len(r["prompt_ids"]) for r in rows]
+    out = {"rows": mine, "loads": {}, "timings": {}}
+    dtype = _dtype(ctx)
+    temperature = float(ctx.get("actor_rollout_ref.rollout.temperature") or 1.0)
+    plan = ctx.plan
+
+    for role in _roles(plan):
+        t0 = time.perf_counter()
+        micro_size, dynamic, budget = _role_sizes(plan, role)
+        mbs = (batching.token_budget_micro_batches(my_lens, budget, all_reduce=world > 1) if dynamic
+               else batching.static_micro_batches(len(rows), micro_size))
+        packed = _packed(ctx, role)
+        load = batching.micro_batch_load(my_lens, mbs, prompt_lengths=prompt_lens, packed=packed)
+        load["packed"] = packed
+        out["loads"][role] = load
+        print(f"logprob step {ctx.step} {role} " + batching.format_load_line(rank, load), flush=True)
+        if role == "critic":
+            model = models.load_critic(critic_weights(ctx), dtype=dtype, device=device,
+                                       seed=critic_seed(ctx))
+        else:
+            path = ctx.actor_weights() if role == "actor" else ctx.reference_weights()
+            model = models.load_policy(path, dtype=dtype, device=device)
+        pad_id = _pad_id(model)
+        chunks = {}
+        t_fwd = time.perf_counter()
+        for mb in mbs:
+            for name, values in _forward(role, model, [rows[i] for i in mb], pad_id, device,
+                                         temperature, packed).items():
+                chunks.setdefault(name, []).append(values)
+        out["timings"][f"{role}_forward_s"] = round(time.perf_counter() - t_fwd, 4)
+        for name, per_mb in chunks.items():
+            out[name] = [v.tolist() for v in batching.restore_order(per_mb, mbs)]
+        del model
+        gc.collect()
+        out["timings"][role] = round(time.perf_counter() - t0, 4)
+    return out
+
+
+def _roles(plan) -> list[str]:
+    roles = ["actor"]
+    if plan.get("ref") is not None:
+        roles.append("ref")
+    if plan.get("critic") is not None:
+        roles.append("critic")
+    return roles
+
+
+def _role_sizes(plan, role: str):
+    """(rows per micro-batch, dynamic?, token budget) of a role from the plan."""
+    if role == "critic":
+        c = plan["critic"]
+        return c["forward_micro_batch_size_per_gpu"], c["use_dynamic_bsz"], c["forward_max_token_len_per_gpu"]
+    p = plan["rollout"] if role == "actor" else plan["ref"]
+    return p["log_prob_micro_batch_size_per_gpu"], p["log_prob_use_dynamic_bsz"], p["log_prob_max_token_len_per_gpu"]
+
+
+def _packed(ctx, role: str) -> bool:
+    """use_remove_padding: a micro-batch runs as one unpadded packed sequence."""
+    key = "critic.model.use_remove_padding" if role == "critic" else "actor_rollout_ref.model.use_remove_padding"
+    return bool(ctx.get(key))
+
+
+def _forward(role, model, rows, pad_id, device, temperature, packed=False) -> dict:
+    """Per-row float32 numpy arrays (response length) of one micro-batch."""
+    import torch
+
+    batch = (batching.pack(rows, device=device) if packed
+             else batching.collate(rows, pad_id, device=device))
+    lengths = batch["response_lengths"]
+    with torch.inference_mode():
+        if role == "critic":
+            return {"values": _split(models.response_values(model, batch), lengths)}
+        logp, ent = models.response_log_probs(model, batch, temperature=temperature,
+                                              with_entropy=role == "actor", chunk_size=CHUNK)
+    if role == "ref":
+        return {"ref_log_probs": _split(logp, lengths)}
+    return {"old_log_probs": _split(logp, lengths), "entropy": _split(ent, lengths)}
+
+
+def _split(tensor, lengths) -> list:
+    data = tensor.float().cpu().numpy()
+    return [np.array(row[:n], dtype=np.float32) for row, n in zip(data, lengths)]
+
+
+def _pad_id(model) -> int:
+    cfg = model.config
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _dtype(ctx) -> str:
+    return "bfloat16" if ctx.get("actor_rollout_ref.actor.deepspeed.dtype") == "bf16" else "float32"
+
+
+def critic_seed(ctx) -> int:
+    """Seed of a new value head (critic from a causal-LM folder); the update stage uses the same."""
+    return int(ctx.get("trainer.seed") or 0)
+
+
+def critic_weights(ctx):
+    """The critic this step's values use: critic.model.path at step 1, else the store's
+    weights/critic_step_{k-1} (cached locally by checksum)."""
+    from pathlib import Path
+
+    if ctx.step <= 1:
+        return Path(str(ctx.get("critic.model.path"))).expanduser()
+    from storage.weights import load_folder
+
+    return load_folder(ctx.store, ctx.layout.critic_weights(ctx.step - 1),
+                       cache_dir=ctx.get("storage.cache_dir"))
