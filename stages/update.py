@@ -1,0 +1,134 @@
+"""update stage: PPO actor (+ critic) training on the step's rows as a DeepSpeed ZeRO job over the
+plan's world (reference §1.5, §3.4-§3.5, §4.5-§4.9). The ranks (stages.update_worker) train; this
+process prepares their inputs and commits what they wrote:
+
+  train_state/step_{k:06d}/actor, .../critic   DeepSpeed checkpoint (module, optimizer partitions,
+                                               RNG per rank) that step k+1 continues from
+  weights/step_{k:06d}                          the actor as an HF folder (fp32 master weights,
+                                               tokenizer) that step k+1 samples from
+  weights/critic_step_{k:06d}                   the critic (PPO) as an HF folder
+  steps/{k}/update/metrics.json, microbatches.parquet   then the manifest (written last)
+
+Order and resume: state and weights are uploaded before the manifest, so a crash leaves the stage
+incomplete and a rerun of step k loads train_state/step_{k-1} again (older states are pruned only
+after the manifest). The learning rate is a function of the step (stepped once per training step,
+as verl), so it needs no saved scheduler. Multi-node: the ranks write checkpoints into a local
+work folder, which must then be on a shared file system (single-node runs need nothing).
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from stages.batching import format_load_line
+from storage.artifacts import write_stage
+from storage.schemas import make_table
+from storage.weights import load_folder, save_folder, save_weights
+
+STAGE = "update"
+INPUTS = ("rollout", "logprob", "advantage")
+CONFIG_KEYS = ("actor_rollout_ref.actor", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.temperature",
+               "critic", "data.max_response_length", "trainer.balance_batch", "trainer.critic_warmup",
+               "trainer.total_training_steps", "trainer.n_gpus_per_node", "trainer.nnodes")
+KEEP_STATES = 2  # train_state/step_k and step_{k-1} (a rerun of step k needs the latter)
+
+
+def state_key(layout, k: int) -> str:
+    return f"{layout.train_state}/step_{k:06d}"
+
+
+def _previous_state(ctx, roles) -> dict:
+    """Local folders of train_state/step_{k-1}/<role> (None at step 1)."""
+    if ctx.step <= 1:
+        return {}
+    key = state_key(ctx.layout, ctx.step - 1)
+    out = {}
+    for role in roles:
+        try:
+            out[role] = str(load_folder(ctx.store, f"{key}/{role}", ctx.get("storage.cache_dir")))
+        except Exception as err:  # IncompleteError / FileNotFoundError
+            raise FileNotFoundError(f"update of step {ctx.step} needs the training state of step {ctx.step - 1} "
+                                    f"at {ctx.store.url(f'{key}/{role}')}: {err}") from err
+    return out
+
+
+def run(ctx) -> dict:
+    from stages.launch import run_ranks
+
+    t0 = time.perf_counter()
+    world = ctx.plan["n_gpus"]
+    roles = ["actor"] + (["critic"] if ctx.plan.get("critic") else [])
+    work = Path(tempfile.mkdtemp(prefix=f"stagerl-update-{ctx.step:06d}-"))
+    try:
+        ctx.extra["train_state_dirs"] = _previous_state(ctx, roles)
+        ctx.extra["update_work_dir"] = str(work)
+        t1 = time.perf_counter()
+        results = run_ranks("stages.update_worker", ctx, world, device=ctx.get("trainer.device") or "cpu",
+                            timeout_s=float(ctx.extra.get("update_timeout_s", 3600)))
+        t2 = time.perf_counter()
+        for role in roles:
+            save_folder(ctx.store, work / f"{role}_state", f"{state_key(ctx.layout, ctx.step)}/{role}",
+                        extra={"step": ctx.step, "world": world})
+        save_weights(ctx.store, ctx.layout, ctx.step, work / "actor_hf", extra={"step": ctx.step})
+        if "critic" in roles:
+            save_folder(ctx.store, work / "critic_hf", ctx.layout.critic_weights(ctx.step),
+                        extra={"step": ctx.step})
+        t3 = time.perf_counter()
+        metrics = build_metrics(results, launch_s=t2 - t1, upload_s=t3 - t2)
+        for line in metrics["update/load_lines"]:
+            print(line, flush=True)
+        table = microbatch_table(results)
+        metrics["timing/update_s"] = time.perf_counter() - t0
+        manifest = write_stage(ctx.store, ctx.layout, ctx.step, STAGE,
+                               {"update/metrics.json": metrics, "update/microbatches.parquet": table},
+                               fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
+                               inputs=ctx.input_fingerprints(INPUTS),
+                               timings={k: v for k, v in metrics.items() if k.startswith("timing/")},
+                               extra={"world": world, "roles": roles})
+        _prune_states(ctx)
+        return manifest
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def build_metrics(results: list, launch_s: float, upload_s: float) -> dict:
+    """verl's names from rank 0 (already all-reduced), timings and per-rank micro-batch loads."""
+    metrics = dict(results[0]["metrics"])
+    compute = max(r["timings"]["train_s"] for r in results)
+    rank_total = max(sum(r["timings"].values()) for r in results)
+    metrics.update({"timing/launch_s": launch_s, "timing/rank_train_s": compute,
+                    "timing/rank_init_s": max(r["timings"]["init_s"] for r in results),
+                    "timing/rank_save_export_s": max(r["timings"]["save_export_s"] for r in results),
+                    "timing/launch_overhead_s": max(0.0, launch_s - rank_total),
+                    "timing/upload_s": upload_s})
+    loads, lines = {}, []
+    for r in results:
+        for role in sorted({rec["role"] for rec in r["records"]}):
+            recs = [rec for rec in r["records"] if rec["role"] == role and rec["epoch"] == 0]
+            load = {"rows": sum(len(x["rows"]) for x in recs), "micro_batches": len(recs),
+                    "real_tokens": sum(x["real_tokens"] for x in recs),
+                    "padded_tokens": sum(x["padded_tokens"] for x in recs),
+                    "max_tokens_per_micro_batch": max((x["padded_tokens"] for x in recs), default=0)}
+            load["padding_fraction"] = (1 - load["real_tokens"] / load["padded_tokens"]) if load["padded_tokens"] else 0.0
+            loads[f"{role}/rank_{r['rank']}"] = load
+            lines.append(f"{role} " + format_load_line(r["rank"], load))
+    metrics["update/micro_batch_loads"] = loads
+    metrics["update/load_lines"] = lines
+    return metrics
+
+
+def microbatch_table(results: list):
+    recs = [rec for r in results for rec in r["records"]]
+    cols = {k: [rec[k] for rec in recs] for k in ("rank", "micro_batch", "rows", "real_tokens", "padded_tokens",
+                                                    "mini_batch", "epoch", "role")}
+    return make_table("microbatches", cols)
+
+
+def _prune_states(ctx) -> None:
+    """Keep the newest KEEP_STATES train states (deleting after the manifest keeps reruns possible)."""
+    old = ctx.step - KEEP_STATES
+    if old >= 1:
+        ctx.store.delete(state_key(ctx.layout, old), recursive=True)
+

@@ -1,0 +1,311 @@
+"""One rank of the update job: PPO actor (and critic) training with DeepSpeed ZeRO.
+
+Exact loss scaling (token-mean and every other loss_agg_mode):
+  For each mini-batch the ranks all-reduce (SUM) its valid response tokens (`global_tokens`) and
+  its rows with >= 1 valid token (`global_rows`). Every micro-batch loss is
+  stages.losses.agg_loss(..., global_tokens, global_rows, dp_size=dp) — e.g. for token-mean
+  sum(L * m) / global_tokens * dp — so the sum over a rank's micro-batches, averaged over ranks, is
+  exactly the loss of one call over all the mini-batch's rows on all ranks.
+  DeepSpeed's own scaling is cancelled as follows:
+    * gradient accumulation: the engine is configured with gradient_accumulation_steps=1, each
+      backward is `engine.backward(loss, scale_wrt_gas=False)` (no 1/GAS factor), and the
+      accumulation boundary is set by hand: set_gradient_accumulation_boundary(False) for all but
+      the mini-batch's last micro-batch, True for the last, then one engine.step(). So gradients of
+      any number of micro-batches (static or token-budget, different per mini-batch) are summed.
+    * data parallelism: ZeRO reduces gradients with a SUM followed by a division by dp (its
+      gradient averaging); the dp_size factor inside agg_loss cancels that division.
+  seq-mean-token-sum-norm uses data.max_response_length as its constant (verl's padded response
+  width), never the micro-batch's padded width, so it too is split-invariant.
+Non-finite gradient norm: ZeRO's step detects it (overflow check, bf16 check_grad_overflow on),
+discards the gradients and skips the update; it is counted in actor/skipped_steps with a warning.
+All ranks run the same number of backward passes (token-budget counts are all-reduced MAX), as
+ZeRO-2/3 reduce gradients inside backward. Token-budget micro-batches are packed by length
+(batching.padded_token_budget_micro_batches), not with verl's KK grouping: our forward is padded
+and KK mixes long and short rows (bench/update.py); the loss is exact for any grouping.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stages import batching, update_engine
+from stages.kl import kl_penalty
+from stages.losses import agg_loss, compute_value_loss, get_policy_loss
+
+ACTOR = "actor_rollout_ref.actor"
+
+
+def _all_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+class Role:
+    """Config and plan of one trained model (actor or critic)."""
+
+    def __init__(self, ctx, name: str):
+        self.name = name
+        prefix = ACTOR if name == "actor" else "critic"
+        self.prefix = prefix
+        self.cfg = ctx.get(prefix)
+        self.plan = ctx.plan[name]
+        offload = (ctx.get(f"{ACTOR}.fsdp_config") if name == "actor"
+                   else ctx.get("critic.model.fsdp_config")) or {}
+        where = f"{ACTOR}.fsdp_config" if name == "actor" else "critic.model.fsdp_config"
+        self.ds_config = update_engine.deepspeed_config(
+            ctx.get(f"{ACTOR}.deepspeed.zero_stage"), ctx.get(f"{ACTOR}.deepspeed.dtype"),
+            self.cfg.get("grad_clip", 1.0), bool(offload.get("param_offload")),
+            bool(offload.get("optimizer_offload")), where)
+        self.loss_agg_mode = self.cfg["loss_agg_mode"]
+
+
+class UpdateJob:
+    """Engines of one rank; `train_step(ctx)` trains on a step's rows and may be called again
+    with the next step's context (what two consecutive update jobs do through train_state/)."""
+
+    def __init__(self, ctx, rank: int, world: int, device: str = "cpu"):
+        from stages.models import load_critic, load_policy, load_tokenizer
+
+        self.rank, self.world, self.device = rank, world, device
+        self.dtype = ctx.get(f"{ACTOR}.deepspeed.dtype")
+        model_dtype = "bf16" if self.dtype == "bf16" else "fp32"
+        self.init_path = ctx.reference_weights()
+        self.pad_id = load_tokenizer(self.init_path).pad_token_id
+        self.actor = Role(ctx, "actor")
+        torch.manual_seed(ctx.seed("update"))
+        policy = load_policy(self.init_path, model_dtype, device)
+        policy.train()
+        self.actor.engine, _ = update_engine.make_engine(policy, self.actor.cfg["optim"], self.actor.ds_config)
+        self.critic = None
+        if ctx.plan.get("critic"):
+            self.critic = Role(ctx, "critic")
+            critic = load_critic(os.path.expanduser(ctx.get("critic.model.path")), model_dtype, device,
+                                 seed=ctx.get("trainer.seed"))
+            critic.train()
+            self.critic.engine, _ = update_engine.make_engine(critic, self.critic.cfg["optim"],
+                                                              self.critic.ds_config)
+
+    def roles(self):
+        return [r for r in (self.critic, self.actor) if r is not None]  # verl: critic first
+
+    def load_state(self, dirs: dict) -> None:
+        for role in self.roles():
+            if dirs.get(role.name):
+                update_engine.load_state(role.engine, Path(dirs[role.name]), self.rank)
+
+    def save_state(self, work_dir: Path) -> dict:
+        out = {}
+        for role in self.roles():
+            folder = Path(work_dir) / f"{role.name}_state"
+            update_engine.save_state(role.engine, folder, self.rank)
+            out[role.name] = str(folder)
+        return out
+
+    def export(self, work_dir: Path) -> dict:
+        out = {}
+        for role in self.roles():
+            folder = Path(work_dir) / f"{role.name}_hf"
+            update_engine.export_hf(role.engine, folder, self.rank,
+                                    tokenizer_from=self.init_path if role.name == "actor" else None)
+            out[role.name] = str(folder)
+        return out
+
+    # ---- data ---------------------------------------------------------------------------------
+    def rank_rows(self, ctx) -> list[dict]:
+        """This rank's rows (balance_batch partition when trainer.balance_batch)."""
+        from storage.artifacts import read_table
+
+        tables = {name: read_table(ctx.store, ctx.layout, ctx.step, name).to_pydict()
+                  for name in ("rollout", "logprob", "advantage")}
+        n = len(tables["rollout"]["prompt_ids"])
+        for name, t in tables.items():
+            rows = len(next(iter(t.values()))) if t else 0
+            if rows != n:
+                raise ValueError(f"step {ctx.step}: {name}.parquet has {rows} rows, rollout.parquet {n}")
+        if self.critic is not None and "values" not in tables["logprob"]:
+            raise ValueError(f"step {ctx.step}: logprob.parquet has no 'values' column, needed by the critic")
+        dp = self.actor.plan["dp_size"]
+        seqlens = [len(p) + len(r) for p, r in zip(tables["rollout"]["prompt_ids"], tables["rollout"]["response_ids"])]
+        if ctx.get("trainer.balance_batch"):
+            parts = batching.balance_partitions(seqlens, dp)
+        else:
+            per = n // dp
+            parts = [list(range(r * per, (r + 1) * per)) for r in range(dp)]
+        cols = {"prompt_ids": "rollout", "response_ids": "rollout", "old_log_probs": "logprob",
+                "ref_log_probs": "logprob", "advantages": "advantage", "returns": "advantage"}
+        if self.critic is not None:
+            cols["values"] = "logprob"
+        rows = []
+        for i in parts[self.rank]:
+            row = {c: tables[t][c][i] for c, t in cols.items()}
+            row["index"] = i
+            rows.append(row)
+        return rows
+
+    # ---- training -----------------------------------------------------------------------------
+    def train_step(self, ctx) -> dict:
+        t0 = time.perf_counter()
+        rows = self.rank_rows(ctx)
+        total = ctx.extra.get("total_training_steps") or ctx.get("trainer.total_training_steps")
+        metrics, records = {}, []
+        for role in self.roles():
+            lr = update_engine.step_lr(role.cfg["optim"], ctx.step, total, f"{role.prefix}.optim")
+            update_engine.set_lr(role.engine, lr)
+            if role.name == "actor" and ctx.step < (ctx.get("trainer.critic_warmup") or 0):
+                continue  # verl: the actor waits for the critic's warm-up steps
+            m, rec = self._train_role(ctx, role, rows)
+            m[f"{role.name}/lr"] = lr
+            metrics.update(m)
+            records += rec
+        metrics["timing/update_compute_s"] = time.perf_counter() - t0
+        return {"metrics": metrics, "records": records}
+
+    def _train_role(self, ctx, role: Role, rows: list[dict]):
+        plan, engine = role.plan, role.engine
+        dp = plan["dp_size"]
+        mini = plan["ppo_mini_batch_size_per_gpu"]
+        gen = torch.Generator().manual_seed(ctx.seed("update") + (1 if role.name == "critic" else 0))
+        sums: dict[str, float] = {}
+        grad_norms, skipped, steps, records = [], 0, 0, []
+        for epoch in range(plan["ppo_epochs"]):
+            order = list(range(len(rows)))
+            if role.cfg.get("shuffle"):
+                order = torch.randperm(len(rows), generator=gen).tolist()
+            for mb_index, start in enumerate(range(0, len(order), mini)):
+                mini_rows = [rows[i] for i in order[start:start + mini]]
+                stats = self._mini_batch(ctx, role, mini_rows, dp, epoch, mb_index, records)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                before = engine.skipped_steps
+                engine.step()
+                norm = engine.get_global_grad_norm()
+                norm = float(norm) if norm is not None else float("nan")
+                steps += 1
+                if engine.skipped_steps > before or not torch.isfinite(torch.tensor(norm)):
+                    skipped += 1
+                    print(f"WARN: rank {self.rank} {role.name} grad_norm is not finite: {norm}; "
+                          f"optimizer step skipped", file=sys.stderr, flush=True)
+                else:
+                    grad_norms.append(norm)
+        return self._role_metrics(role, sums, grad_norms, skipped, steps), records
+
+    def _mini_batch(self, ctx, role: Role, mini_rows, dp, epoch, mb_index, records) -> dict:
+        plan, engine = role.plan, role.engine
+        resp = [len(r["response_ids"]) for r in mini_rows]
+        global_tokens, global_rows = _all_sum([sum(resp), sum(1 for n in resp if n > 0)], "cpu")
+        if global_tokens <= 0:
+            raise ValueError(f"step {ctx.step}: a {role.name} mini-batch has no response tokens on any rank")
+        if plan["use_dynamic_bsz"]:
+            micro = batching.padded_token_budget_micro_batches(
+                [len(r["prompt_ids"]) for r in mini_rows], resp, plan["max_token_len_per_micro_batch"])
+        else:
+            micro = batching.static_micro_batches(len(mini_rows), plan["ppo_micro_batch_size_per_gpu"])
+        agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
+               "loss_scale_factor": ctx.get("data.max_response_length")}
+        stats: dict[str, float] = {}
+        for j, idx in enumerate(micro):
+            part = [mini_rows[i] for i in idx]
+            batch = batching.collate(part, self.pad_id, self.device)
+            engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
+            loss, micro_stats = (self._actor_loss if role.name == "actor" else self._critic_loss)(
+                ctx, role, part, batch, agg)
+            engine.backward(loss, scale_wrt_gas=False)
+            tokens = float(batch["response_mask"].sum())
+            for k, v in micro_stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+            stats["tokens"] = stats.get("tokens", 0.0) + tokens
+            width = batch["prompt_width"] + batch["response_width"]
+            records.append({"role": role.name, "rank": self.rank, "epoch": epoch, "mini_batch": mb_index,
+                            "micro_batch": j, "rows": [r["index"] for r in part],
+                            "real_tokens": int(batch["attention_mask"].sum()),
+                            "padded_tokens": int(width * len(part))})
+        return stats
+
+    def _per_token(self, part, key, width):
+        return batching.pad_per_token([r[key] for r in part], width, device=self.device)
+
+    def _actor_loss(self, ctx, role, part, batch, agg):
+        from stages.models import response_log_probs
+
+        cfg, R = role.cfg, batch["response_width"]
+        mask = batch["response_mask"].float()
+        tokens = float(mask.sum())
+        log_prob, entropy = response_log_probs(role.engine.module, batch, ctx.get("actor_rollout_ref.rollout.temperature"),
+                                               with_entropy=True)
+        old = log_prob.detach() if role.plan["on_policy"] else self._per_token(part, "old_log_probs", R)
+        adv = self._per_token(part, "advantages", R)
+        policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
+        clip = cfg.get("clip_ratio", 0.2)
+        low = cfg.get("clip_ratio_low") if cfg.get("clip_ratio_low") is not None else clip
+        high = cfg.get("clip_ratio_high") if cfg.get("clip_ratio_high") is not None else clip
+        mode = role.loss_agg_mode
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
+            old, log_prob, adv, mask, clip_ratio_low=low, clip_ratio_high=high,
+            clip_ratio_c=cfg.get("clip_ratio_c", 3.0), loss_agg_mode=mode, **agg)
+        loss = pg_loss
+        stats = {"pg_loss": pg_loss.item() / agg["dp_size"], "pg_clipfrac": clipfrac.item() * tokens,
+                 "ppo_kl": ppo_kl.item() * tokens, "pg_clipfrac_lower": clipfrac_lower.item() * tokens,
+                 "entropy": float((entropy.detach() * mask).sum())}
+        if cfg.get("entropy_coeff", 0.0):
+            loss = loss - cfg["entropy_coeff"] * agg_loss(entropy, mask, mode, **agg)
+        if cfg.get("use_kl_loss"):
+            ref = self._per_token(part, "ref_log_probs", R)
+            kl = agg_loss(kl_penalty(log_prob, ref, cfg["kl_loss_type"]), mask, mode, **agg)
+            loss = loss + cfg["kl_loss_coef"] * kl
+            stats["kl_loss"] = kl.item() / agg["dp_size"]
+        return loss, stats
+
+    def _critic_loss(self, ctx, role, part, batch, agg):
+        from stages.models import response_values
+
+        R = batch["response_width"]
+        mask = batch["response_mask"].float()
+        vpreds = response_values(role.engine.module, batch)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds, self._per_token(part, "returns", R), self._per_token(part, "values", R), mask,
+            cliprange_value=role.cfg.get("cliprange_value", 0.5), loss_agg_mode=role.loss_agg_mode, **agg)
+        tokens = float(mask.sum())
+        return vf_loss, {"vf_loss": vf_loss.item() / agg["dp_size"], "vf_clipfrac": vf_clipfrac.item() * tokens,
+                         "vpred_mean": float((vpreds.detach() * mask).sum())}
+
+    def _role_metrics(self, role, sums, grad_norms, skipped, steps) -> dict:
+        keys = sorted(sums)
+        totals = dict(zip(keys, _all_sum([sums[k] for k in keys], "cpu")))
+        tokens = totals.pop("tokens", 0.0) or 1.0
+        loss_keys = {"pg_loss", "kl_loss", "vf_loss"}  # exact global losses, summed per mini-batch
+        out = {}
+        for k, v in totals.items():
+            out[f"{role.name}/{k}"] = v / steps if k in loss_keys else v / tokens
+        out[f"{role.name}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out[f"{role.name}/skipped_steps"] = skipped
+        out[f"{role.name}/optimizer_steps"] = steps
+        return out
+
+
+def rank_main(ctx, rank: int, world: int) -> dict:
+    """Entry of one rank (stages.launch.run_ranks): load state, train the step, save, export."""
+    from stages.launch import init_distributed, rank_device
+
+    t0 = time.perf_counter()
+    device = ctx.extra.get("device") or ctx.get("trainer.device") or "cpu"
+    init_distributed(device)
+    job = UpdateJob(ctx, rank, world, rank_device(device))
+    t1 = time.perf_counter()
+    job.load_state(ctx.extra.get("train_state_dirs") or {})
+    t2 = time.perf_counter()
+    out = job.train_step(ctx)
+    t3 = time.perf_counter()
+    work = Path(ctx.extra["update_work_dir"])
+    job.save_state(work)
+    job.export(work)
+    t4 = time.perf_counter()
+    out["timings"] = {"init_s": t1 - t0, "load_state_s": t2 - t1, "train_s": t3 - t2, "save_export_s": t4 - t3}
+    out["rank"] = rank
+    return out
