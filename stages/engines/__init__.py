@@ -1,0 +1,163 @@
+"""Generation engines for the rollout stage, chosen by `actor_rollout_ref.rollout.name`:
+
+- `hf`: transformers `generate`, batched with left padding, in this process (stages/engines/hf.py);
+- `vllm`: vLLM's offline `LLM`, one process per replica (stages/engines/vllm_worker.py), since GPU
+  memory is only reliably freed by exiting.
+
+Both take the same input: one row per response (the n responses of a prompt are n adjacent copies
+of its prompt ids) with a 31-bit seed per row, and return one `Generation` per row. Responses keep
+their EOS token; finish_reason is "stop" (an EOS id was sampled) or "length" (max_new_tokens).
+Rows are split over the plan's rollout replicas in prompt-sized shares (whole prompts per replica).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENGINES = ("hf", "vllm")
+
+
+class EngineError(RuntimeError):
+    """A generation engine failed (the message carries the engine's own error)."""
+
+
+def derive_seed(*parts) -> int:
+    """A 31-bit seed from any tuple of values (e.g. (stage seed, replica, batch) or (seed, row))."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """verl's sampling keys, resolved: greedy when do_sample is false or temperature is 0."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+    max_new_tokens: int = 32
+    n: int = 1
+    log_probs: bool = False  # also return the engine's own per-token log-probs
+
+    @property
+    def greedy(self) -> bool:
+        return (not self.do_sample) or self.temperature == 0
+
+    @classmethod
+    def from_rollout(cls, rollout: dict, response_length: int, validation: bool = False) -> "Sampling":
+        """From the `actor_rollout_ref.rollout` section (its val_kwargs when validation)."""
+        src = dict(rollout.get("val_kwargs") or {}) if validation else rollout
+        where = "actor_rollout_ref.rollout" + (".val_kwargs" if validation else "")
+        temperature = float(src.get("temperature", 1.0))
+        do_sample = bool(src.get("do_sample", True))
+        if temperature < 0:
+            raise ValueError(f"{where}.temperature must be >= 0, got {temperature}")
+        if validation and do_sample and temperature <= 0:
+            raise ValueError(f"{where}.temperature must be > 0 when {where}.do_sample is true")
+        top_p = float(src.get("top_p", 1.0))
+        if not 0 < top_p <= 1:
+            raise ValueError(f"{where}.top_p must be in (0, 1], got {top_p}")
+        top_k = int(src.get("top_k", -1))
+        if top_k == 0 or top_k < -1:
+            raise ValueError(f"{where}.top_k must be -1 (off) or >= 1, got {top_k}")
+        n = int(src.get("n", 1))
+        if n < 1:
+            raise ValueError(f"{where}.n must be >= 1, got {n}")
+        if response_length < 1:
+            raise ValueError(f"actor_rollout_ref.rollout.response_length must be >= 1, got {response_length}")
+        return cls(temperature=temperature, top_p=top_p, top_k=top_k, do_sample=do_sample,
+                   max_new_tokens=int(response_length), n=n,
+                   log_probs=bool(rollout.get("calculate_log_probs", False)))
+
+
+@dataclass
+class Generation:
+    response_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    log_probs: list[float] | None = None
+
+
+@dataclass
+class EngineOptions:
+    """What an engine needs beyond the rows: the model folder and the rollout section."""
+    model_dir: Path
+    rollout: dict
+    device: str = "cpu"
+    num_replicas: int = 1
+    prompts_per_replica: int | None = None
+    max_model_len: int | None = None
+    engine_seed: int = 0
+    timings: dict = field(default_factory=dict)
+
+
+def eos_token_ids(model_dir) -> list[int]:
+    """EOS ids from generation_config.json (a list or one id), else config.json / the tokenizer."""
+    import json
+
+    folder = Path(model_dir)
+    ids = []
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                ids = value if isinstance(value, list) else [value]
+                break
+    if not ids:
+        from stages.models import load_tokenizer
+
+        tok = load_tokenizer(folder)
+        ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if not ids:
+        raise ValueError(f"{folder}: no eos_token_id in generation_config.json, config.json or the tokenizer")
+    return [int(i) for i in ids]
+
+
+def finish(tokens, eos_ids, max_new_tokens: int, log_probs=None) -> Generation:
+    """Cut generated tokens at the first EOS (kept); "stop" if one was found, else "length"."""
+    eos = set(eos_ids)
+    tokens = [int(t) for t in tokens]
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            lp = None if log_probs is None else [float(x) for x in log_probs[:i + 1]]
+            return Generation(tokens[:i + 1], "stop", lp)
+    tokens = tokens[:max_new_tokens]
+    lp = None if log_probs is None else [float(x) for x in log_probs[:len(tokens)]]
+    return Generation(tokens, "length", lp)
+
+
+def replica_shares(num_rows: int, n: int, num_replicas: int, prompts_per_replica: int | None) -> list[range]:
+    """Row ranges per replica: whole prompts (n adjacent rows), prompts_per_replica each (the plan's)."""
+    prompts = num_rows // n
+    per = prompts_per_replica or -(-prompts // max(num_replicas, 1))
+    shares = []
+    for r in range(max(num_replicas, 1)):
+        start, stop = min(r * per, prompts), min((r + 1) * per, prompts)
+        if r == num_replicas - 1:
+            stop = prompts
+        if stop > start:
+            shares.append(range(start * n, stop * n))
+    return shares
+
+
+def generate(engine: str, prompt_ids: list[list[int]], row_seeds: list[int], sampling: Sampling,
+             options: EngineOptions) -> list[Generation]:
+    """One Generation per row. `prompt_ids` has one entry per row (n adjacent copies per prompt)."""
+    from stages.models import check_model_folder
+
+    if engine not in ENGINES:
+        raise ValueError(f"actor_rollout_ref.rollout.name must be one of {ENGINES}, got {engine!r}")
+    if len(prompt_ids) != len(row_seeds):
+        raise ValueError(f"{len(prompt_ids)} rows but {len(row_seeds)} seeds")
+    for row, ids in enumerate(prompt_ids):
+        if not ids:
+            raise ValueError(f"row {row}: empty prompt (no token ids)")
+    try:
+        check_model_folder(options.model_dir, "policy model")
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"actor_rollout_ref.model.path (or the step's weights): {err}") from None
+    if engine == "hf":
+        from stages.engines.hf import hf_generate
+        return hf_generate(prompt_ids, row_seeds, sampling, options)
+    from stages.engines.vllm_worker import vllm_generate
+    return vllm_generate(prompt_ids, row_seeds, sampling, options)

@@ -1,0 +1,161 @@
+"""rollout stage: sample n responses per prompt of the step's batch (reference §2 step 3).
+
+Step k draws batch k-1 of the training set (stages.dataset.RLDataset with the config's `data`
+section; data.seed, else trainer.seed, shuffles) and samples from the policy of step k-1
+(ctx.actor_weights()) with the engine `actor_rollout_ref.rollout.name` (stages.engines: hf | vllm),
+split over the plan's rollout replicas.
+
+rollout.parquet: n rows per prompt, adjacent, sample_index 0..n-1; uid = "s{step}-p{i}-{hash}" for
+the i-th prompt of the batch (deterministic per (step, prompt)); prompt = the templated prompt text
+the model saw (special tokens kept) and prompt_ids; response = decoded without special tokens and
+response_ids (EOS kept); response_length; finish_reason stop|length; data_source, ground_truth
+(text; JSON for non-string truths), extra_info (JSON); rollout_log_probs when
+rollout.calculate_log_probs. Seeds: every row's seed derives from (ctx.seed("rollout"),
+rollout.seed, row), the hf engine's batch seeds from (that seed, replica, batch), so the same
+seed gives bit-identical parquet bytes.
+
+Manifest extra: the data position after this batch (what a resumed run continues from), the
+engine, generation timings, tokens/s. `generate_validation(ctx)` samples the validation set with
+val_kwargs for the flows' validation runs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+from stages.engines import EngineOptions, Sampling, derive_seed, generate
+
+STAGE = "rollout"
+INPUTS = ()
+CONFIG_KEYS = ("data", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout", "trainer.seed",
+               "trainer.device")
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+def _engine_options(ctx, model_dir) -> EngineOptions:
+    plan_rollout = (ctx.plan or {}).get("rollout") or {}
+    max_len = (ctx.plan or {}).get("max_seq_len") or (
+        int(ctx.get("data.max_prompt_length")) + int(ctx.get("data.max_response_length")))
+    device = "cuda" if str(ctx.get("trainer.device", "cpu")).startswith("cuda") else "cpu"
+    return EngineOptions(model_dir=model_dir, rollout=dict(ctx.get(ROLLOUT) or {}), device=device,
+                         num_replicas=int(plan_rollout.get("num_replicas") or 1),
+                         prompts_per_replica=plan_rollout.get("prompts_per_replica"),
+                         max_model_len=int(max_len), engine_seed=_base_seed(ctx))
+
+
+def _base_seed(ctx, purpose: str = STAGE) -> int:
+    return derive_seed(ctx.seed(purpose), ctx.get(f"{ROLLOUT}.seed", 0) or 0)
+
+
+def _uid(step: int, position: int, prompt_row) -> str:
+    digest = hashlib.sha256(f"{step}/{position}/{prompt_row.row}/{prompt_row.index}".encode()).hexdigest()[:8]
+    return f"s{step}-p{position}-{digest}"
+
+
+def _truth_text(truth) -> str:
+    if truth is None:
+        return ""
+    return truth if isinstance(truth, str) else json.dumps(truth, sort_keys=True, default=str)
+
+
+def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpose: str = STAGE):
+    """Generate `sampling.n` responses for each PromptRow; returns (columns, engine timings)."""
+    n = sampling.n
+    prompt_ids = [list(p.prompt_ids) for p in prompts for _ in range(n)]
+    for row, ids in enumerate(prompt_ids):
+        if not ids:
+            raise ValueError(f"row {row // n} of the batch (data row {prompts[row // n].row}): empty prompt")
+    base = _base_seed(ctx, purpose)
+    seeds = [derive_seed(base, row) for row in range(len(prompt_ids))]
+    options = _engine_options(ctx, model_dir)
+    options.engine_seed = base
+    if purpose != STAGE:
+        options.prompts_per_replica = None  # not a training batch: split evenly over the replicas
+    engine = ctx.get(f"{ROLLOUT}.name", "hf")
+    gens = generate(engine, prompt_ids, seeds, sampling, options)
+
+    prompt_text = tokenizer.batch_decode([p.prompt_ids for p in prompts], skip_special_tokens=False)
+    responses = tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+    columns = {"uid": [], "sample_index": [], "prompt": [], "prompt_ids": [], "response": responses,
+               "response_ids": [g.response_ids for g in gens],
+               "response_length": [len(g.response_ids) for g in gens],
+               "finish_reason": [g.finish_reason for g in gens],
+               "data_source": [], "ground_truth": [], "extra_info": []}
+    for i, p in enumerate(prompts):
+        uid = _uid(ctx.step, i, p)
+        for k in range(n):
+            columns["uid"].append(uid)
+            columns["sample_index"].append(k)
+            columns["prompt"].append(prompt_text[i])
+            columns["prompt_ids"].append(list(p.prompt_ids))
+            columns["data_source"].append(p.data_source)
+            columns["ground_truth"].append(_truth_text(p.ground_truth))
+            columns["extra_info"].append(json.dumps(p.extra_info, sort_keys=True, default=str))
+    if sampling.log_probs:
+        columns["rollout_log_probs"] = [g.log_probs for g in gens]
+    return columns, {"engine": engine, **options.timings}
+
+
+def _dataset(ctx, tokenizer, split: str):
+    from stages.dataset import RLDataset
+
+    return RLDataset(dict(ctx.get("data") or {}), tokenizer, split=split,
+                     fallback_seed=int(ctx.get("trainer.seed", 0) or 0))
+
+
+def _model_and_tokenizer(ctx):
+    from stages.models import check_model_folder, load_tokenizer
+
+    model_dir = ctx.actor_weights()
+    try:
+        check_model_folder(model_dir, "policy model")
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"actor_rollout_ref.model.path (or the step's weights): {err}") from None
+    return model_dir, load_tokenizer(model_dir)
+
+
+def run(ctx) -> dict:
+    from storage.artifacts import write_table
+    from storage.schemas import make_table
+
+    t0 = time.perf_counter()
+    model_dir, tokenizer = _model_and_tokenizer(ctx)
+    dataset = _dataset(ctx, tokenizer, "train")
+    batch = dataset.batch_for_step(ctx.step - 1)
+    sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")))
+    t_data = time.perf_counter()
+    columns, engine_timings = sample_prompts(ctx, batch.rows, sampling, model_dir, tokenizer)
+    t_gen = time.perf_counter()
+    table = make_table("rollout", columns)
+    tokens = sum(columns["response_length"])
+    gen_s = engine_timings.get("generate_s") or (t_gen - t_data)
+    timings = {"load_s": round(t_data - t0, 4), "rollout_s": round(t_gen - t_data, 4),
+               "generate_s": gen_s, "engine_start_s": engine_timings.get("engine_start_s")}
+    extra = {
+        "data_position": batch.next_position.to_dict(),
+        "batch_position": batch.position.to_dict(),
+        "epoch": batch.epoch,
+        "engine": engine_timings["engine"],
+        "engine_timings": engine_timings,
+        "prompts": len(batch.rows), "rows": table.num_rows, "response_tokens": tokens,
+        "tokens_per_s": round(tokens / gen_s, 2) if gen_s else None,
+        "tokens_per_s_wall": round(tokens / (t_gen - t_data), 2),
+        "finish_stop": columns["finish_reason"].count("stop"),
+        "model_dir": str(model_dir),
+    }
+    return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table,
+                       fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS), inputs={},
+                       timings=timings, extra=extra)
+
+
+def generate_validation(ctx) -> list[dict]:
+    """Sample the validation set (data.val_files) with rollout.val_kwargs; one dict per row
+    (the rollout columns), seeded by (trainer.seed, step, "validation")."""
+    model_dir, tokenizer = _model_and_tokenizer(ctx)
+    dataset = _dataset(ctx, tokenizer, "val")
+    prompts = [dataset.rows[i] for i in dataset.epoch_order(0)]
+    sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")),
+                                     validation=True)
+    columns, _ = sample_prompts(ctx, prompts, sampling, model_dir, tokenizer, purpose="validation")
+    names = list(columns)
+    return [dict(zip(names, values)) for values in zip(*(columns[c] for c in names))]
