@@ -4,7 +4,10 @@
 
 - world == 1: called in this process (a launch costs 6-13 s on CPU; single-rank jobs skip it).
   `init_distributed` then makes a one-process group on a free port if a rank needs one.
-- world > 1 on one machine: `python -m torch.distributed.run --standalone --nproc_per_node=W
+- world > 1 with an active rank pool of that world and device (stages.rank_pool.activate):
+  the job is submitted to the pool's long-lived ranks (no launch, no re-import, the update
+  engine kept between steps).
+- world > 1 on one machine otherwise: `python -m torch.distributed.run --standalone --nproc_per_node=W
   -m stages.rank_entry <module> <ctx.json>` in a subprocess, with OMP_NUM_THREADS=1 per rank and
   TORCH_EXTENSIONS_DIR passed on (DeepSpeed's prebuilt ops). Each rank writes its return value
   (JSON) to result_<rank>.json in a temporary folder; a failing rank writes error_<rank>.txt
@@ -67,6 +70,11 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     if world == 1:
         mod = importlib.import_module(module)
         return [mod.rank_main(ctx, 0, 1)]
+    from stages.rank_pool import active_pool
+
+    pool = active_pool()
+    if pool is not None and pool.world == world and pool.device == str(device):
+        return pool.submit(module, ctx, timeout_s=timeout_s)
     with tempfile.TemporaryDirectory(prefix="stagerl-ranks-") as tmp:
         ctx_file = Path(tmp) / "ctx.json"
         payload = context_payload(ctx)
@@ -79,6 +87,7 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         env["MASTER_PORT"] = str(free_port())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.pop("STAGERL_RANK_POOL", None)
         out_f, err_f = Path(tmp) / "stdout.txt", Path(tmp) / "stderr.txt"
         with out_f.open("wb") as out, err_f.open("wb") as err:
             proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=err,

@@ -15,6 +15,17 @@ import traceback
 from pathlib import Path
 
 
+def run_job(module: str, payload: dict, rank: int, world: int):
+    """Rebuild the context from its payload (stages.launch.context_payload + "device") and run
+    `<module>.rank_main(ctx, rank, world)`; also used by the rank pool (stages.rank_server)."""
+    from stages.launch import context_from_payload
+
+    ctx = context_from_payload(payload)
+    if payload.get("device") and hasattr(ctx, "extra"):
+        ctx.extra.setdefault("device", payload["device"])
+    return importlib.import_module(module).rank_main(ctx, rank, world)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2:
@@ -24,13 +35,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        from stages.launch import context_from_payload
-
-        payload = json.loads(ctx_path.read_text())
-        ctx = context_from_payload(payload)
-        if payload.get("device") and hasattr(ctx, "extra"):
-            ctx.extra.setdefault("device", payload["device"])
-        result = importlib.import_module(module).rank_main(ctx, rank, world)
+        result = run_job(module, json.loads(ctx_path.read_text()), rank, world)
         tmp = ctx_path.parent / f".result_{rank}.json.tmp"
         tmp.write_text(json.dumps(result))
         os.replace(tmp, ctx_path.parent / f"result_{rank}.json")

@@ -102,7 +102,8 @@ def build_metrics(results: list, launch_s: float, upload_s: float) -> dict:
                     "timing/rank_init_s": max(r["timings"]["init_s"] for r in results),
                     "timing/rank_save_export_s": max(r["timings"]["save_export_s"] for r in results),
                     "timing/launch_overhead_s": max(0.0, launch_s - rank_total),
-                    "timing/upload_s": upload_s})
+                    "timing/upload_s": upload_s,
+                    "update/engine_reused": bool(results[0].get("engine_reused", False))})
     loads, lines = {}, []
     for r in results:
         for role in sorted({rec["role"] for rec in r["records"]}):

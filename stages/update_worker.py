@@ -289,23 +289,77 @@ class UpdateJob:
         return out
 
 
+# Engines kept alive between steps inside a rank pool (stages.rank_pool): {key: (job, step, rng)}.
+# Step k reuses the job that trained step k-1 of the same run and config instead of building
+# engines and loading train_state/step_{k-1} (which holds the same weights, optimizer and RNG, so
+# the result is bit-identical); anything else (another run, a rerun, step 1) builds afresh.
+_KEPT: dict = {}
+
+
+def _job_key(ctx, world: int) -> str:
+    from stages.update import CONFIG_KEYS
+    from storage.artifacts import fingerprint
+
+    return fingerprint({"run": ctx.store.url(ctx.layout.train_state), "world": world, "plan": ctx.plan,
+                        "config": {k: ctx.get(k) for k in CONFIG_KEYS + ("warmstart.enable", "trainer.seed")}})
+
+
+def _rng_state() -> dict:
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _take_kept_job(ctx, key: str):
+    """The kept job that trained step k-1 of this run (its RNG restored), else None; other kept
+    jobs are freed."""
+    import gc
+
+    entry = _KEPT.pop(key, None)
+    for other in list(_KEPT):
+        del _KEPT[other]
+    if entry is None or entry[1] != ctx.step - 1:
+        entry = None
+        gc.collect()
+        return None
+    job, _, rng = entry
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return job
+
+
 def rank_main(ctx, rank: int, world: int) -> dict:
-    """Entry of one rank (stages.launch.run_ranks): load state, train the step, save, export."""
+    """Entry of one rank (stages.launch.run_ranks): load state, train the step, save, export.
+    Inside a rank pool the engines are kept for the next step (ctx.extra["keep_update_engine"]
+    false turns this off, e.g. to free GPU memory for other stages)."""
     from stages.launch import init_distributed, rank_device
+    from stages.rank_server import IN_POOL_ENV
 
     t0 = time.perf_counter()
     device = ctx.extra.get("device") or ctx.get("trainer.device") or "cpu"
     init_distributed(device)
-    job = UpdateJob(ctx, rank, world, rank_device(device))
+    keep = os.environ.get(IN_POOL_ENV) == "1" and ctx.extra.get("keep_update_engine", True)
+    key = _job_key(ctx, world) if keep else None
+    job = _take_kept_job(ctx, key) if keep else None
+    reused = job is not None
+    if job is None:
+        job = UpdateJob(ctx, rank, world, rank_device(device))
     t1 = time.perf_counter()
-    job.load_state(ctx.extra.get("train_state_dirs") or {})
+    if not reused:
+        job.load_state(ctx.extra.get("train_state_dirs") or {})
     t2 = time.perf_counter()
     out = job.train_step(ctx)
     t3 = time.perf_counter()
     work = Path(ctx.extra["update_work_dir"])
     job.save_state(work)
+    rng = _rng_state()  # what save_state wrote into rng_rank<r>.pt
     job.export(work)
     t4 = time.perf_counter()
+    if keep:
+        _KEPT[key] = (job, ctx.step, rng)
     out["timings"] = {"init_s": t1 - t0, "load_state_s": t2 - t1, "train_s": t3 - t2, "save_export_s": t4 - t3}
     out["rank"] = rank
+    out["engine_reused"] = reused
     return out

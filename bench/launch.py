@@ -1,0 +1,100 @@
+"""Launch bench: per-step overhead of the two N-rank stages (logprob + update) on 2 CPU ranks,
+with one persistent rank pool (stages.rank_pool) vs a torchrun launch per call, 3 steps each.
+Prints JSON and writes bench/results/launch.json.
+
+    python bench/launch.py [--steps 3] [--small]
+
+Sizes are the CPU default's (configs/tiny-cpu.yaml: 60 prompts x n=12 = 720 rows, prompt <= 64,
+response <= 32 tokens, 2 ranks) on hand-made inputs (tests/_update_inputs.py); --small uses the
+tests' 8 rows. Per step: wall time of logprob.run + update.run, the ranks' compute (logprob
+forwards, update training; max over ranks) and overhead = wall - compute. Goal (issues 4 and 7):
+everything but compute <= 10 % of a step, i.e. launches no longer dominate.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+DEFAULT_SIZES = ["data.max_prompt_length=64", "data.max_response_length=32", "data.train_batch_size=60",
+                 "actor_rollout_ref.rollout.n=12", "actor_rollout_ref.actor.ppo_mini_batch_size=60",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=30",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=60",
+                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=60"]
+
+
+def step_rows(steps: list) -> list:
+    from storage.artifacts import read_file
+
+    rows = []
+    for s in steps:
+        ctx, step = s["ctx"], s["ctx"].step
+        lp_compute = max(sum(v for k, v in t.items() if k.endswith("_forward_s"))
+                         for t in s["logprob"]["extra"]["rank_timings"])
+        m = read_file(ctx.store, ctx.layout, step, "update", "update/metrics.json")
+        wall = s["logprob_s"] + s["update_s"]
+        compute = lp_compute + m["timing/rank_train_s"]
+        rows.append({"step": step, "logprob_s": round(s["logprob_s"], 3), "update_s": round(s["update_s"], 3),
+                     "compute_s": round(compute, 3), "overhead_s": round(wall - compute, 3),
+                     "overhead_fraction": round((wall - compute) / wall, 4),
+                     "logprob_rank_total_s": round(max(sum(v for k, v in t.items() if not k.endswith("_forward_s"))
+                                                 for t in s["logprob"]["extra"]["rank_timings"]), 3),
+                     "update_ranks_s": round(m["timing/launch_s"], 3),
+                     "update_rank_init_s": round(m["timing/rank_init_s"], 3),
+                     "update_rank_save_export_s": round(m["timing/rank_save_export_s"], 3),
+                     "update_upload_s": round(m["timing/upload_s"], 3),
+                     "engine_reused": m["update/engine_reused"]})
+    return rows
+
+
+def summary(rows: list, extra_s: float = 0.0) -> dict:
+    wall = sum(r["logprob_s"] + r["update_s"] for r in rows) + extra_s
+    compute = sum(r["compute_s"] for r in rows)
+    return {"steps": rows, "mean_overhead_s": round(sum(r["overhead_s"] for r in rows) / len(rows), 3),
+            "total_wall_s": round(wall, 3), "total_compute_s": round(compute, 3),
+            "overhead_fraction_incl_start": round((wall - compute) / wall, 4)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--small", action="store_true", help="the tests' 8 rows instead of the CPU default's 720")
+    args = ap.parse_args(argv)
+    from _pool_steps import run_steps
+    from stages.rank_pool import RankPool, activate, deactivate
+    from stages.tiny_model import save_tiny_model
+
+    sizes = [] if args.small else DEFAULT_SIZES
+    with tempfile.TemporaryDirectory(prefix="stagerl-bench-launch-") as d:
+        tmp = Path(d)
+        model = save_tiny_model(tmp / "model")
+        launched = step_rows(run_steps(tmp / "launch", model, args.steps, sizes))
+        t0 = time.perf_counter()
+        with RankPool(2, "cpu") as pool:
+            start_s = time.perf_counter() - t0
+            activate(pool)
+            pooled = step_rows(run_steps(tmp / "pool", model, args.steps, sizes))
+        deactivate()
+    per_call, pool_sum = summary(launched), summary(pooled, start_s)
+    result = {"world": 2, "rows_per_step": 8 if args.small else 720, "steps": args.steps,
+              "per_call_launch": per_call, "rank_pool": {"pool_start_s": round(start_s, 3), **pool_sum},
+              "overhead_saved_per_step_s": round(per_call["mean_overhead_s"] - pool_sum["mean_overhead_s"], 3),
+              "goal": {"overhead_fraction": 0.10}}
+    out = REPO / "bench" / "results" / "launch.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""A persistent pool of N ranks: one torchrun job per training run, reused by every N-rank stage
+(logprob, update) of every step, instead of one launch (6-13 s + imports + engine set-up) per call.
+
+    with RankPool(world=2, device="cpu") as pool:     # starts `stages.rank_server` under torchrun
+        activate(pool)                                  # run_ranks(...) now submits to the pool
+        ... steps ...                                   # close() (or the with-exit) stops it
+    results = pool.submit("stages.logprob", ctx)        # [rank 0's return value, rank 1's, ...]
+
+- Jobs are files in the pool's work_dir (see stages.rank_server): submit writes job_<id>.json,
+  waits for result_<id>_<rank>.json / error_<id>_<rank>.txt of every rank, relays the ranks'
+  new stdout lines, and removes the job's files. Submits are serialised (a thread lock plus a
+  file lock on work_dir/submit.lock, so another process attached by work dir may submit too).
+- A failing job raises RuntimeError with the failing rank's traceback; the pool goes on when
+  every rank reported. If a rank is stuck (its peer failed before a collective: the others
+  did not report within `grace_s`), or a job runs past its timeout, or a rank process died
+  (torchrun then stops the others), the pool is stopped, the error raised, and the next
+  submit starts a fresh pool.
+- `activate(pool)` registers the pool for this process (stages.launch.run_ranks uses it when
+  world and device match) and sets STAGERL_RANK_POOL=<work_dir>, so a process that inherits
+  the environment attaches to the same pool (RankPool.attach; it cannot restart it).
+- close() writes a stop file, waits for torchrun to exit, then kills its process group; an
+  atexit hook closes pools left open.
+"""
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+POOL_ENV = "STAGERL_RANK_POOL"
+ERROR_TAIL = 4000
+_ACTIVE: "RankPool | None" = None
+
+
+class RankPool:
+    def __init__(self, world: int, device: str = "cpu", work_dir=None, start_timeout_s: float = 600,
+                 grace_s: float = 30.0):
+        if world < 2:
+            raise ValueError(f"a rank pool needs world >= 2 (world 1 runs in-process), got {world}")
+        self.world, self.device = int(world), str(device)
+        self._own_dir = work_dir is None
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="stagerl-pool-"))
+        self.start_timeout_s, self.grace_s = start_timeout_s, grace_s
+        self.proc: subprocess.Popen | None = None
+        self.owner = True
+        self.starts = 0  # how many times torchrun was started (restarts after a dead rank count)
+        self._lock = threading.Lock()
+        self._out_offset = 0
+
+    # ---- life cycle ---------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, work_dir) -> "RankPool":
+        """A client of a pool started by another process (submit only; no restart, no close)."""
+        info = json.loads((Path(work_dir) / "pool.json").read_text())
+        pool = cls(info["world"], info["device"], work_dir)
+        pool.owner, pool._own_dir, pool._pid = False, False, info["pid"]
+        return pool
+
+    def __enter__(self) -> "RankPool":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start torchrun with the rank servers and wait until every rank has its process group."""
+        from stages.launch import REPO_ROOT, free_port
+
+        if not self.owner:
+            raise RuntimeError(f"rank pool {self.work_dir} belongs to another process; it cannot be started here")
+        if self.alive():
+            return
+        self._stop_process()
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        for f in list(self.work_dir.glob("ready_*")) + [self.work_dir / "stop"]:
+            f.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}",
+               "-m", "stages.rank_server", str(self.work_dir), self.device, str(os.getpid())]
+        env = dict(os.environ)
+        env.pop(POOL_ENV, None)
+        env["OMP_NUM_THREADS"] = "1"
+        env["MASTER_PORT"] = str(free_port())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        out = (self.work_dir / "stdout.txt").open("ab")
+        err = (self.work_dir / "stderr.txt").open("ab")
+        self._out_offset = (self.work_dir / "stdout.txt").stat().st_size
+        try:
+            self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=err,
+                                         start_new_session=True)
+        finally:
+            out.close()
+            err.close()
+        self.starts += 1
+        (self.work_dir / "pool.json").write_text(json.dumps(
+            {"pid": self.proc.pid, "world": self.world, "device": self.device}))
+        _OPEN.add(self)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not all((self.work_dir / f"ready_{r}").exists() for r in range(self.world)):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rank pool did not start (torchrun exit code {self.proc.returncode}); "
+                                   f"stderr tail:\n{self._stderr_tail()}")
+            if time.monotonic() > deadline:
+                self._stop_process()
+                raise RuntimeError(f"rank pool: ranks not ready after {self.start_timeout_s} s; "
+                                   f"stderr tail:\n{self._stderr_tail()}")
+            time.sleep(0.05)
+
+    def alive(self) -> bool:
+        if not self.owner:
+            try:
+                os.kill(self._pid, 0)
+                return True
+            except ProcessLookupError:
+                return False
+        return self.proc is not None and self.proc.poll() is None
+
+    def rank_pids(self) -> list[int]:
+        """PIDs of the rank processes (from their ready files)."""
+        return [int((self.work_dir / f"ready_{r}").read_text()) for r in range(self.world)
+                if (self.work_dir / f"ready_{r}").exists()]
+
+    def close(self, timeout_s: float = 30) -> None:
+        """Stop the ranks (stop file, then the process group) and remove a work dir made here."""
+        global _ACTIVE
+        if not self.owner:
+            return
+        if self.proc is not None and self.proc.poll() is None:
+            (self.work_dir / "stop").write_text("")
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._stop_process()
+        _OPEN.discard(self)
+        if _ACTIVE is self:
+            deactivate()
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def _stop_process(self) -> None:
+        from stages.launch import _kill_group
+
+        if self.proc is not None:
+            _kill_group(self.proc)  # also reaps ranks left in the session after torchrun exited
+            self.proc = None
+
+    # ---- jobs ---------------------------------------------------------------------------------
+    def submit(self, module: str, ctx, timeout_s: float = 1800) -> list:
+        """Run `module.rank_main(ctx, rank, world)` on every rank of the pool; results by rank."""
+        from stages.launch import context_payload
+
+        payload = context_payload(ctx)
+        payload["device"] = self.device
+        with self._lock, (self.work_dir / "submit.lock").open("a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            if not self.alive():
+                if not self.owner:
+                    raise RuntimeError(f"rank pool {self.work_dir} is not running (its owner must restart it)")
+                if self.starts:
+                    print(f"rank pool: ranks are gone (last stderr:\n{self._stderr_tail()[-800:]}); restarting",
+                          file=sys.stderr, flush=True)
+                self.start()
+            next_file = self.work_dir / "next_id"
+            job_id = int(next_file.read_text()) if next_file.exists() else 0
+            next_file.write_text(str(job_id + 1))
+            job = self.work_dir / f"job_{job_id}.json"
+            tmp = self.work_dir / f".job_{job_id}.json.tmp"
+            tmp.write_text(json.dumps({"module": module, "payload": payload}))
+            os.replace(tmp, job)
+            try:
+                return self._collect(module, job_id, timeout_s)
+            finally:
+                self._relay_stdout()
+                for f in [job] + [self.work_dir / f"{kind}_{job_id}_{r}.{ext}" for r in range(self.world)
+                                  for kind, ext in (("result", "json"), ("error", "txt"))]:
+                    f.unlink(missing_ok=True)
+
+    def _collect(self, module: str, job_id: int, timeout_s: float) -> list:
+        results = [self.work_dir / f"result_{job_id}_{r}.json" for r in range(self.world)]
+        errors = [self.work_dir / f"error_{job_id}_{r}.txt" for r in range(self.world)]
+        deadline = time.monotonic() + timeout_s
+        first_error = None
+        while True:
+            done = [res.exists() or err.exists() for res, err in zip(results, errors)]
+            if all(done):
+                break
+            if any(e.exists() for e in errors) and first_error is None:
+                first_error = time.monotonic()
+            stuck = first_error is not None and time.monotonic() - first_error > self.grace_s
+            dead = not self.alive()
+            late = time.monotonic() > deadline
+            if stuck or dead or late:
+                why = ("a rank failed and the others did not finish within "
+                       f"{self.grace_s} s (waiting in a collective?)" if stuck else
+                       "a rank process died" if dead else f"the job did not finish in {timeout_s} s")
+                detail = self._error_detail(errors)
+                if self.owner:
+                    self._stop_process()  # the next submit starts a fresh pool
+                raise RuntimeError(f"{module} on the rank pool ({self.world} ranks): {why}; the pool was "
+                                   f"stopped and restarts on the next job.\n{detail}"
+                                   f"--- pool stderr tail ---\n{self._stderr_tail()}")
+            time.sleep(0.01)
+        if any(e.exists() for e in errors):
+            raise RuntimeError(f"{module} failed on the rank pool ({self.world} ranks).\n{self._error_detail(errors)}")
+        return [json.loads(res.read_text()) for res in results]
+
+    def _error_detail(self, errors) -> str:
+        return "".join(f"--- error rank {r} ---\n{e.read_text()[-ERROR_TAIL:]}\n"
+                       for r, e in enumerate(errors) if e.exists())
+
+    def _relay_stdout(self) -> None:
+        path = self.work_dir / "stdout.txt"
+        if not self.owner or not path.exists():
+            return
+        with path.open("rb") as f:
+            f.seek(self._out_offset)
+            data = f.read()
+        self._out_offset += len(data)
+        if data:
+            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.flush()
+
+    def _stderr_tail(self) -> str:
+        path = self.work_dir / "stderr.txt"
+        return path.read_text(errors="replace")[-ERROR_TAIL:] if path.exists() else ""
+
+
+# ---- the pool of this process -------------------------------------------------------------------
+def activate(pool: RankPool) -> RankPool:
+    """Make run_ranks use `pool` in this process (and in children that inherit the environment)."""
+    global _ACTIVE
+    _ACTIVE = pool
+    os.environ[POOL_ENV] = str(pool.work_dir)
+    return pool
+
+
+def deactivate() -> None:
+    global _ACTIVE
+    _ACTIVE = None
+    os.environ.pop(POOL_ENV, None)
+
+
+def active_pool() -> RankPool | None:
+    """The activated pool, or one attached from STAGERL_RANK_POOL (cached), or None."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return _ACTIVE
+    work = os.environ.get(POOL_ENV)
+    if work and (Path(work) / "pool.json").exists():
+        _ACTIVE = RankPool.attach(work)
+        return _ACTIVE
+    return None
+
+
+_OPEN: set = set()
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    for pool in list(_OPEN):
+        pool.close(timeout_s=10)

@@ -1,0 +1,103 @@
+"""One rank of a persistent rank pool (stages.rank_pool.RankPool starts it under torchrun):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=W -m stages.rank_server <work_dir> <device> <owner_pid>
+
+Each rank initialises the process group once (gloo on CPU, nccl on CUDA), writes ready_<rank>,
+then serves jobs in order: job_<id>.json in work_dir (written atomically by the client) holds
+{"module", "payload"}; every rank reads the same file, runs `<module>.rank_main(ctx, rank, world)`
+(stages.rank_entry.run_job) and writes result_<id>_<rank>.json or error_<id>_<rank>.txt (its
+traceback). Ranks poll the folder instead of blocking in a broadcast, so an idle pool holds no
+pending collective (no gloo/NCCL timeout between steps, no spinning GPU kernel). A `stop` file,
+or the owner process disappearing, ends the loop. After each job the rank frees what the job
+left (gc, CUDA cache); stages may keep state across jobs on purpose (the update engine).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+POLL_S = 0.02
+IN_POOL_ENV = "STAGERL_RANK_SERVER"  # set in rank processes of a pool (stages may cache state)
+
+
+def _owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def serve(work: Path, device: str, owner_pid: int) -> int:
+    from stages.launch import destroy_distributed, init_distributed
+    from stages.rank_entry import run_job
+
+    os.environ[IN_POOL_ENV] = "1"
+    rank, world = init_distributed(device)
+    next_file = work / "next_id"  # read before "ready": the client writes it only once all are ready
+    job_id = int(next_file.read_text()) if next_file.exists() else 0
+    _write_atomic(work / f"ready_{rank}", str(os.getpid()))
+    last_owner_check = time.monotonic()
+    try:
+        while True:
+            job_file = work / f"job_{job_id}.json"
+            if not job_file.exists():
+                if (work / "stop").exists():
+                    return 0
+                if time.monotonic() - last_owner_check > 1.0:
+                    if not _owner_alive(owner_pid):
+                        print(f"rank pool: owner process {owner_pid} is gone; rank {rank} exits",
+                              file=sys.stderr, flush=True)
+                        return 0
+                    last_owner_check = time.monotonic()
+                time.sleep(POLL_S)
+                continue
+            job = json.loads(job_file.read_text())
+            try:
+                result = run_job(job["module"], job["payload"], rank, world)
+                _write_atomic(work / f"result_{job_id}_{rank}.json", json.dumps(result))
+            except BaseException:  # noqa: BLE001 - reported to the client, the pool goes on
+                text = traceback.format_exc()
+                print(text, file=sys.stderr, flush=True)
+                _write_atomic(work / f"error_{job_id}_{rank}.txt", text)
+            finally:
+                result = None
+                job = None
+                sys.stdout.flush()
+                gc.collect()
+                _empty_device_cache(device)
+            job_id += 1
+    finally:
+        destroy_distributed()
+
+
+def _empty_device_cache(device: str) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 3:
+        print("usage: python -m stages.rank_server <work_dir> <device> <owner_pid>", file=sys.stderr)
+        return 2
+    return serve(Path(argv[0]), argv[1], int(argv[2]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Toy rank jobs for the rank pool tests (run inside the pool's rank processes)."""
+import os
+
+
+def rank_main(ctx, rank, world):
+    """Echo: which process ran which rank, and the context it got."""
+    if ctx.get("fail_on_rank") == rank:
+        raise ValueError(f"boom on rank {rank}: {ctx['message']}")
+    return {"rank": rank, "world": world, "pid": os.getpid(), "ctx": ctx}

@@ -1,0 +1,26 @@
+"""Steps of logprob + update on 2 ranks over hand-made inputs (tests/_update_inputs.py): what the
+rank pool test and bench/launch.py run, once with per-call launches and once through a pool."""
+import time
+
+from _update_inputs import make_ctx, write_inputs
+
+TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.actor.optim.warmup_style=cosine",
+             "actor_rollout_ref.actor.optim.lr_warmup_steps=0", "actor_rollout_ref.actor.use_kl_loss=true"]
+
+
+def run_steps(root, model_dir, steps, overrides=()):
+    """Run steps 1..steps (inputs, logprob.run, update.run); per step: ctx, timings, manifests."""
+    from stages import logprob, update
+
+    out = []
+    for step in range(1, steps + 1):
+        ctx = make_ctx(root, model_dir, step, TWO_RANKS + list(overrides))
+        write_inputs(ctx, seed=3)
+        t0 = time.perf_counter()
+        lp = logprob.run(ctx)
+        t1 = time.perf_counter()
+        up = update.run(make_ctx(root, model_dir, step, TWO_RANKS + list(overrides)))
+        t2 = time.perf_counter()
+        out.append({"ctx": ctx, "logprob_s": t1 - t0, "update_s": t2 - t1, "logprob": lp, "update": up})
+    return out

@@ -1,0 +1,97 @@
+"""Persistent rank pool (stages.rank_pool): one torchrun job reused by every N-rank stage.
+
+Real torchrun jobs with 2 gloo ranks: each pool start costs ~10 s, each per-call launch 6-13 s."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _pool_steps import run_steps
+from stages.rank_pool import RankPool, activate, active_pool, deactivate
+from stages.tiny_model import save_tiny_model
+from storage.artifacts import read_file, read_table
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
+
+
+def gone(pid: int, wait_s: float = 20) -> bool:
+    """The process no longer exists (or is a zombie about to be reaped by init)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_jobs_failure_dead_rank_restart_and_close(tmp_path):
+    with RankPool(2, "cpu", tmp_path / "pool") as pool:
+        first = pool.submit("tests._pool_jobs", {"message": "hi"})
+        assert [r["rank"] for r in first] == [0, 1] and {r["world"] for r in first} == {2}
+        assert first[0]["ctx"] == {"message": "hi"}
+        pids = [r["pid"] for r in first]
+        assert sorted(pids) == sorted(pool.rank_pids()) and os.getpid() not in pids
+        # a failing job: the rank's traceback, and the same processes run the next job
+        with pytest.raises(RuntimeError) as err:
+            pool.submit("tests._pool_jobs", {"message": "bad row 7", "fail_on_rank": 1})
+        text = str(err.value)
+        assert "error rank 1" in text and "ValueError: boom on rank 1: bad row 7" in text
+        assert "Traceback" in text and "error rank 0" not in text
+        again = pool.submit("tests._pool_jobs", {"message": "after"})
+        assert [r["pid"] for r in again] == pids and pool.starts == 1
+        assert not list((tmp_path / "pool").glob("result_*")) and not list((tmp_path / "pool").glob("job_*"))
+        # a rank process dies: torchrun stops, the next submit starts a fresh pool
+        launcher = pool.proc.pid
+        os.kill(pids[1], signal.SIGKILL)
+        assert gone(launcher, 60)
+        restarted = pool.submit("tests._pool_jobs", {"message": "restarted"})
+        assert pool.starts == 2 and [r["ctx"]["message"] for r in restarted] == ["restarted"] * 2
+        new_pids = [r["pid"] for r in restarted]
+        assert set(new_pids).isdisjoint(pids)
+        launcher2 = pool.proc.pid
+    for pid in pids + new_pids + [launcher, launcher2]:
+        assert gone(pid), f"process {pid} is still running after close()"
+    assert not pool.alive()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def test_two_steps_through_the_pool_equal_per_call_launches(tmp_path, model_dir, capsys):
+    """logprob values and update weights (bit for bit) of 2 steps: pool == 4 separate launches;
+    the pool's step 2 reuses the DeepSpeed engines and still writes train_state/step_2."""
+    launched = run_steps(tmp_path / "launch", model_dir, 2)
+    assert active_pool() is None
+    with RankPool(2, "cpu") as pool:
+        activate(pool)
+        pooled = run_steps(tmp_path / "pool", model_dir, 2)
+        rank_pids = pool.rank_pids()
+        assert pool.starts == 1
+    deactivate()
+    assert all(gone(pid) for pid in rank_pids)
+    assert "logprob step 2 actor rank 1" in capsys.readouterr().out  # ranks' lines relayed
+    for step, (a, b) in enumerate(zip(launched, pooled), start=1):
+        ta = read_table(a["ctx"].store, a["ctx"].layout, step, "logprob").to_pydict()
+        tb = read_table(b["ctx"].store, b["ctx"].layout, step, "logprob").to_pydict()
+        assert ta == tb, f"logprob of step {step} differs"
+        ma = read_file(a["ctx"].store, a["ctx"].layout, step, "update", "update/metrics.json")
+        mb = read_file(b["ctx"].store, b["ctx"].layout, step, "update", "update/metrics.json")
+        assert ma["actor/grad_norm"] == mb["actor/grad_norm"] and ma["actor/pg_loss"] == mb["actor/pg_loss"]
+        assert ma["update/engine_reused"] is False
+        assert mb["update/engine_reused"] is (step == 2)
+        wa = load_file(os.path.join(a["ctx"].store.path(a["ctx"].layout.weights(step)), "model.safetensors"))
+        wb = load_file(os.path.join(b["ctx"].store.path(b["ctx"].layout.weights(step)), "model.safetensors"))
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), f"step {step}: {name}"
+        ctx = b["ctx"]
+        assert ctx.store.exists(f"{ctx.layout.train_state}/step_{step:06d}/actor/_manifest.json")
