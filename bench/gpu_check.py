@@ -1,0 +1,114 @@
+"""GPU check: transformers rollout and a DeepSpeed ZeRO update of a small Qwen2-shaped model in bf16,
+through stagerl's own code (stages.models.response_log_probs, stages.update_engine, stages.losses).
+Prints one JSON summary: tokens/s, step time, MFU estimate. Run by bench/gpu_check.sh on a GPU
+machine; `--device cpu --preset tiny` runs the same path here as a smoke test.
+
+No hub: the model is built from a config with random weights (speed does not depend on the values)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+PRESETS = {  # Qwen2.5-0.5B's shape, and a tiny one for the CPU smoke test
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, vocab_size=512),
+}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def build_model(preset: str, device: str, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**PRESETS[preset], max_position_embeddings=4096, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config).to(device=device, dtype=dtype), config
+
+
+def rollout(model, args, device) -> dict:
+    prompts = torch.randint(10, model.config.vocab_size - 10, (args.rollout_prompts, args.prompt_len), device=device)
+    model.eval()
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        model.generate(prompts[:2], max_new_tokens=4, do_sample=True)  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.response_len,
+                             min_new_tokens=args.response_len, do_sample=True, temperature=1.0, pad_token_id=0)
+        sync(device)
+    seconds = time.perf_counter() - t0
+    tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
+    return {"rows": out.shape[0], "response_tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def update(model, args, device, n_params: int) -> dict:
+    from stages.batching import collate
+    from stages.launch import init_distributed
+    from stages.losses import compute_policy_loss_vanilla
+    from stages.models import response_log_probs
+    from stages.update_engine import deepspeed_config, make_engine
+
+    init_distributed(device)
+    model.train()
+    ds = deepspeed_config(2, "bf16" if args.dtype == "bf16" else "fp32", 1.0, False, False, "actor")
+    engine, _ = make_engine(model, {"lr": 1e-6, "betas": [0.9, 0.999], "weight_decay": 0.01}, ds)
+    bs, P, R = args.update_rows, args.prompt_len, args.response_len
+    ids = torch.randint(10, model.config.vocab_size - 10, (bs, P + R)).tolist()
+    batch = collate([{"prompt_ids": row[:P], "response_ids": row[P:]} for row in ids], pad_id=0, device=device)
+    adv = torch.randn(bs, R, device=device)
+    times = []
+    for i in range(args.update_iters + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        logp, _ = response_log_probs(engine.module, batch)
+        loss = compute_policy_loss_vanilla(logp.detach(), logp, adv, batch["response_mask"])[0]
+        engine.backward(loss)
+        engine.step()
+        sync(device)
+        if i:  # the first iteration is a warm-up
+            times.append(time.perf_counter() - t0)
+    step_s = sum(times) / len(times)
+    tokens = bs * (P + R)
+    out = {"rows": bs, "tokens_per_step": tokens, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1)}
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    if peak:  # 6 N flops per token (forward + backward), attention ignored
+        out["mfu"] = round(6 * n_params * tokens / step_s / peak, 4)
+    return out
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--rollout-prompts", type=int, default=256)
+    p.add_argument("--update-rows", type=int, default=16)
+    p.add_argument("--update-iters", type=int, default=5)
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "4")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model, _ = build_model(args.preset, args.device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    summary = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "params": n_params}
+    summary["rollout_hf"] = rollout(model, args, args.device)
+    summary["update_deepspeed_zero2"] = update(model, args, args.device, n_params)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
