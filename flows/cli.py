@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "flows.cmd_query",
     "flows.cmd_plot",
     "flows.cmd_stats",
+    "flows.cmd_train",
 ]
 
 

@@ -1,0 +1,116 @@
+"""`stagerl train [--config NAME] [key=value ...]` and `stagerl resume EXPERIMENT [--root URL]`:
+both run the `rl-train` Prefect flow (the same one the rl-train/* deployments run).
+
+Without PREFECT_API_URL the flow runs against a temporary local Prefect server whose home is a
+scratch folder (the store's .cache/prefect for a local store, else ./.cache/prefect) with
+analytics off, so training works offline."""
+import os
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train (or continue) an experiment as a Prefect flow")
+    p.add_argument("--config", default="tiny-cpu", help="config name or YAML path (default tiny-cpu)")
+    p.add_argument("--experiment", default=None, help="trainer.experiment_name (run folder name)")
+    p.add_argument("--force-lock", action="store_true",
+                   help="break the experiment lock held by another writer")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=8")
+    p.set_defaults(func=run_train)
+
+    r = subparsers.add_parser("resume", help="continue an experiment at its first incomplete stage")
+    r.add_argument("experiment", help="EXPERIMENT or PROJECT/EXPERIMENT in the store")
+    r.add_argument("--root", default=None,
+                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
+                        "or ./runs)")
+    r.add_argument("--force-lock", action="store_true",
+                   help="break the experiment lock held by another writer")
+    r.set_defaults(func=run_resume)
+
+
+def prefect_env(storage_root: str | None) -> None:
+    """Offline defaults when no Prefect server is configured (set before prefect is imported)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    root = storage_root or "./runs"
+    base = Path(os.path.expanduser(root)) if "://" not in root else Path(".")
+    home = Path(os.environ.setdefault("PREFECT_HOME", str((base / ".cache" / "prefect").resolve())))
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int:
+    from configs.loader import load_config
+    from configs.schema import ConfigError
+    from configs.suggest import make_plan
+
+    try:  # refuse a bad config or plan before any Prefect start-up
+        cfg = load_config(config, list(overrides) + (
+            [f"trainer.experiment_name={experiment}"] if experiment else []))
+        make_plan(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}")
+        return 2
+    prefect_env(cfg["storage"]["root"])
+    from flows.train import train
+
+    state = train(config=config, overrides=list(overrides), experiment_name=experiment,
+                  force_lock=force_lock, return_state=True)
+    if not state.is_completed():
+        try:
+            state.result()
+        except Exception as exc:
+            print(f"error: training failed: {type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+def run_train(args) -> int:
+    return _run_flow(args.config, args.overrides, args.experiment, args.force_lock)
+
+
+def find_run(store, name: str):
+    """(project, experiment) of EXPERIMENT or PROJECT/EXPERIMENT that has a run.json."""
+    from storage.layout import RunLayout
+
+    if "/" in name:
+        project, experiment = name.split("/", 1)
+        candidates = [(project, experiment)]
+    else:
+        candidates = [(p, name) for p in store.list("")]
+    found = [c for c in candidates if store.exists(RunLayout(*c).run_json)]
+    if not found:
+        raise LookupError(f"no experiment {name!r} with a run.json under {store.url('')}")
+    if len(found) > 1:
+        raise LookupError(f"experiment {name!r} exists in several projects "
+                          f"({', '.join(p for p, _ in found)}): give PROJECT/EXPERIMENT")
+    return found[0]
+
+
+def resume_arguments(doc: dict, root: str | None) -> tuple[str, list, str]:
+    """(config, overrides, experiment_name) that recreate the run's config from its run.json."""
+    source = doc.get("source") or {}
+    overrides = [o for o in source.get("overrides") or [] if not o.startswith("storage.root=")]
+    if root:
+        overrides.append(f"storage.root={root}")
+    else:
+        overrides += [o for o in source.get("overrides") or [] if o.startswith("storage.root=")]
+    return source.get("config") or "tiny-cpu", overrides, doc.get("experiment")
+
+
+def run_resume(args) -> int:
+    from storage.artifacts import read_run_json
+    from storage.layout import RunLayout
+    from storage.store import Store
+
+    root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
+    store = Store.from_config({"root": root})
+    try:
+        project, experiment = find_run(store, args.experiment)
+    except LookupError as exc:
+        print(f"error: {exc}")
+        return 2
+    doc = read_run_json(store, RunLayout(project, experiment))
+    config, overrides, experiment = resume_arguments(doc, args.root)
+    print(f"resuming {project}/{experiment}: config {config}, overrides {overrides}")
+    return _run_flow(config, overrides, experiment, args.force_lock)

@@ -1,0 +1,360 @@
+"""One RL step as a Prefect flow: rollout -> logprob -> reward -> advantage -> update, each a task.
+
+Tasks pass only a run URI (`store.url(layout.base)`), the step number and a small `extra` dict;
+each task rebuilds its StageContext from an in-process registry (the training flow registered the
+resolved config there) or, in another process (a stage deployment on its own work pool), from the
+run's run.json. A stage whose manifest exists with the fingerprint the stage would write is not
+run again: its task ends in a Completed state named "Cached" with the reason as its message.
+
+Retries: storage I/O errors (StoreError, connection/timeouts, other OSErrors) retry with
+exponential backoff (orchestration.storage_retries, orchestration.retry_delay_s); out-of-memory,
+bad config and bad input (ConfigError, ValueError incl. SchemaError, missing files) fail at once.
+With orchestration.mode=deployments rollout and update run as `rl-stage/*` deployments through
+run_deployment; the parameters are still only the URI, the stage, the step and `extra`."""
+from __future__ import annotations
+
+import importlib
+import os
+import time
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed
+
+from storage.artifacts import read_file, read_manifest, read_run_json
+from storage.layout import STAGES, RunLayout
+from storage.store import Store, StoreError
+
+STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: stages)
+REMOTE_STAGES = ("rollout", "update")
+_RUNS: dict = {}  # run_uri -> (cfg, plan, store): what the training flow resolved in this process
+
+
+# ---- run registry and contexts -------------------------------------------------------------
+def register_run(cfg: dict, plan: dict, store: Store) -> str:
+    """Remember a resolved run in this process; returns its URI (what tasks receive)."""
+    run_uri = store.url(RunLayout.from_config(cfg).base)
+    _RUNS[run_uri] = (cfg, plan, store)
+    return run_uri
+
+
+def split_run_uri(run_uri: str) -> tuple[str, str, str]:
+    """'s3://bucket/prefix/project/experiment' -> ('s3://bucket/prefix', project, experiment)."""
+    root, project, experiment = run_uri.rstrip("/").rsplit("/", 2)
+    return root, project, experiment
+
+
+def open_run(run_uri: str) -> tuple[dict, dict, Store]:
+    """(cfg, plan, store) of a run: registered in this process, else read from its run.json
+    (S3 credentials then come from this machine's AWS_* environment)."""
+    if run_uri in _RUNS:
+        return _RUNS[run_uri]
+    root, project, experiment = split_run_uri(run_uri)
+    storage_cfg = {"root": root}
+    probe = Store.from_config(storage_cfg)
+    doc = read_run_json(probe, RunLayout(project, experiment))
+    if doc is None:
+        raise FileNotFoundError(f"no run.json at {run_uri}/run.json: start the run with "
+                                f"`stagerl train` or the rl-train deployment first")
+    cfg = doc["config"]
+    # run.json holds no credentials ("***"): this machine's AWS_* environment provides them,
+    # here and in any rank process rebuilt from this config.
+    kept = {**(cfg.get("storage") or {}), "root": root, "key": None, "secret": None}
+    cfg["storage"] = kept
+    store = Store.from_config(kept)
+    _RUNS[run_uri] = (cfg, doc["plan"], store)
+    return _RUNS[run_uri]
+
+
+def make_context(run_uri: str, step: int, extra: dict | None = None):
+    from stages.context import StageContext
+
+    cfg, plan, store = open_run(run_uri)
+    ctx = StageContext.create(cfg, plan, step, store=store)
+    ctx.extra = dict(extra or {})
+    return ctx
+
+
+def stage_module(stage: str):
+    """The module implementing `stage` (STAGE, INPUTS, CONFIG_KEYS, run)."""
+    package = os.environ.get(STAGES_ENV) or "stages"
+    return importlib.import_module(f"{package}.{stage}")
+
+
+def stage_fingerprint(module, ctx) -> str:
+    """The fingerprint the stage writes: its own stage_fingerprint(ctx) when it defines one
+    (e.g. reward adds the custom reward file), else ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS)."""
+    own = getattr(module, "stage_fingerprint", None)
+    if callable(own):
+        return own(ctx)
+    return ctx.fingerprint(module.STAGE, module.CONFIG_KEYS, module.INPUTS)
+
+
+def stage_is_complete(ctx, stage: str) -> bool:
+    module = stage_module(stage)
+    manifest = read_manifest(ctx.store, ctx.layout, ctx.step, stage)
+    return bool(manifest) and manifest.get("fingerprint") == stage_fingerprint(module, ctx)
+
+
+def step_is_complete(ctx) -> bool:
+    """Every stage of the step has a manifest with the fingerprint it would write now."""
+    return all(stage_is_complete(ctx, stage) for stage in STAGES)
+
+
+# ---- retries ----------------------------------------------------------------------------------
+def is_retryable(exc: BaseException | None) -> bool:
+    """Storage I/O errors retry; out-of-memory and bad input do not."""
+    if exc is None or isinstance(exc, (MemoryError, ValueError, KeyError, TypeError)):
+        return False
+    if "OutOfMemoryError" in type(exc).__name__:  # torch.OutOfMemoryError (a RuntimeError)
+        return False
+    if isinstance(exc, (StoreError, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    return isinstance(exc, OSError)
+
+
+def _retry_condition(task_, task_run, state) -> bool:
+    exc = state.data if isinstance(state.data, BaseException) else None
+    if exc is None:
+        try:
+            exc = state.result(raise_on_failure=False)
+        except Exception:
+            return False
+    return is_retryable(exc if isinstance(exc, BaseException) else None)
+
+
+def retry_options(cfg: dict) -> dict:
+    orch = cfg.get("orchestration") or {}
+    retries = int(orch.get("storage_retries", 3))
+    first = float(orch.get("retry_delay_s", 2.0))
+    return {"retries": retries, "retry_delay_seconds": [first * 2 ** i for i in range(retries)]}
+
+
+# ---- the stage task ---------------------------------------------------------------------------
+def summarize(manifest: dict, skipped: bool, seconds: float | None = None) -> dict:
+    """What a stage task returns: small, JSON-able."""
+    files = manifest.get("files") or {}
+    return {"stage": manifest.get("stage"), "step": manifest.get("step"), "skipped": skipped,
+            "fingerprint": manifest.get("fingerprint"), "rows": manifest.get("row_count"),
+            "paths": {name: e.get("path") for name, e in files.items()},
+            "timings": manifest.get("timings") or {}, "seconds": seconds,
+            "metrics": (manifest.get("extra") or {}).get("metrics") or {}}
+
+
+def execute_stage(stage: str, run_uri: str, step: int, extra: dict | None = None,
+                  deployment: str | None = None):
+    """Run one stage unless complete. Returns its summary, or a Cached state carrying it."""
+    ctx = make_context(run_uri, step, extra)
+    module = stage_module(stage)
+    fingerprint = stage_fingerprint(module, ctx)
+    manifest = read_manifest(ctx.store, ctx.layout, step, stage)
+    if manifest and manifest.get("fingerprint") == fingerprint:
+        message = f"skipped: {stage} of step {step} is complete (fingerprint {fingerprint[:12]})"
+        return Completed(name="Cached", message=message, data=summarize(manifest, skipped=True))
+    t0 = time.perf_counter()
+    if deployment:
+        run_stage_deployment(deployment, stage, run_uri, step, extra)
+        manifest = read_manifest(ctx.store, ctx.layout, step, stage)
+        if not manifest:
+            raise RuntimeError(f"deployment {deployment} finished but step {step} stage {stage!r} "
+                               f"has no manifest in {run_uri}")
+    else:
+        from stages.faults import maybe_fault
+
+        maybe_fault(stage, "start", step)
+        manifest = module.run(ctx)
+    return summarize(manifest, skipped=False, seconds=round(time.perf_counter() - t0, 3))
+
+
+@task(name="stage", task_run_name="{stage}-step-{step}", cache_policy=NO_CACHE,
+      retry_condition_fn=_retry_condition)
+def stage_task(stage: str, run_uri: str, step: int, extra: dict | None = None,
+               deployment: str | None = None):
+    return execute_stage(stage, run_uri, step, extra, deployment)
+
+
+def run_stage_deployment(name: str, stage: str, run_uri: str, step: int, extra) -> None:
+    from prefect.deployments import run_deployment
+
+    flow_run = run_deployment(name=name, timeout=None,
+                              parameters={"stage": stage, "run_uri": run_uri, "step": step,
+                                          "extra": extra or {}})
+    if not flow_run.state or not flow_run.state.is_completed():
+        state = flow_run.state.name if flow_run.state else "unknown"
+        raise RuntimeError(f"deployment {name} (flow run {flow_run.name}) ended {state} for step "
+                           f"{step} stage {stage!r}: see its logs with `prefect flow-run logs "
+                           f"{flow_run.id}`")
+
+
+def check_stage_deployments(cfg: dict) -> dict:
+    """{stage: deployment name} for orchestration.mode=deployments; refuses a deployment that
+    is missing or not on the configured work pool."""
+    orch = cfg.get("orchestration") or {}
+    if orch.get("mode", "local") != "deployments":
+        return {}
+    from prefect import get_client
+
+    out = {}
+    with get_client(sync_client=True) as client:
+        for stage in REMOTE_STAGES:
+            name, pool = orch[f"{stage}_deployment"], orch[f"{stage}_pool"]
+            try:
+                dep = client.read_deployment_by_name(name)
+            except Exception as exc:
+                raise RuntimeError(f"orchestration.{stage}_deployment={name!r}: no such deployment "
+                                   f"({type(exc).__name__}); deploy it with `prefect deploy -n "
+                                   f"{name.split('/', 1)[-1]}` from the checkout") from None
+            if dep.work_pool_name != pool:
+                raise RuntimeError(f"deployment {name} is on work pool {dep.work_pool_name!r}, but "
+                                   f"orchestration.{stage}_pool={pool!r}")
+            out[stage] = name
+    return out
+
+
+# ---- flows ------------------------------------------------------------------------------------
+@flow(name="rl-stage", flow_run_name="{stage}-step-{step}")
+def stage_flow(stage: str, run_uri: str, step: int, extra: dict | None = None) -> dict:
+    """One stage as its own flow run: what the rl-stage/* deployments run on their work pools."""
+    cfg, _, _ = open_run(run_uri)
+    return task_result(stage_task.with_options(**retry_options(cfg))(stage, run_uri, step, extra,
+                                                                  return_state=True))
+
+
+def task_result(state) -> dict:
+    """A task's summary from its final state (a Cached state carries it as its data)."""
+    from prefect.states import State
+
+    value = state.result()
+    while isinstance(value, State):
+        value = value.result()
+    return value
+
+
+@flow(name="rl-step", flow_run_name="step-{step}")
+def rl_step(run_uri: str, step: int, extra: dict | None = None, publish: bool = True) -> dict:
+    """rollout -> logprob -> reward -> advantage -> update for one step; {stage: summary}."""
+    cfg, _, _ = open_run(run_uri)
+    remote = check_stage_deployments(cfg)
+    run_task = stage_task.with_options(**retry_options(cfg))
+    summaries = {}
+    for stage in STAGES:
+        summaries[stage] = task_result(run_task(stage, run_uri, step, extra, remote.get(stage),
+                                            return_state=True))
+    if publish:
+        publish_step(run_uri, step, summaries)
+    return summaries
+
+
+# ---- what a step shows in Prefect ------------------------------------------------------------
+def artifact_slug(layout: RunLayout) -> str:
+    """Prefect artifact keys: lowercase letters, digits and dashes only."""
+    import re
+
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{layout.project}-{layout.experiment}".lower())
+    return slug.strip("-") or "run"
+
+
+def step_metrics(ctx, summaries: dict | None = None) -> dict:
+    """verl-style metrics of a finished step: each stage's manifest metrics, update/metrics.json
+    scalars, and timing_s/{stage} for stages that ran now."""
+    metrics: dict = {}
+    for stage in STAGES:
+        manifest = read_manifest(ctx.store, ctx.layout, ctx.step, stage) or {}
+        metrics.update(_scalars((manifest.get("extra") or {}).get("metrics") or {}))
+    try:
+        update = read_file(ctx.store, ctx.layout, ctx.step, "update", "update/metrics.json")
+        metrics.update({k: v for k, v in update.items() if isinstance(v, (int, float))
+                        and not isinstance(v, bool)})
+    except Exception:
+        pass
+    for stage, summary in (summaries or {}).items():
+        if summary and summary.get("seconds") is not None:
+            metrics[f"timing_s/{stage}"] = summary["seconds"]
+    return metrics
+
+
+def _scalars(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in (tree or {}).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_scalars(value, name + "/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
+def sample_rows(ctx, n: int = 3) -> list[dict]:
+    rollout = read_file(ctx.store, ctx.layout, ctx.step, "rollout").slice(0, n).to_pylist()
+    try:
+        reward = read_file(ctx.store, ctx.layout, ctx.step, "reward").slice(0, n).to_pylist()
+    except Exception:
+        reward = [{}] * len(rollout)
+    return [{"uid": r.get("uid"), "prompt": (r.get("prompt") or "")[-200:],
+             "response": (r.get("response") or "")[:200], "score": w.get("score")}
+            for r, w in zip(rollout, reward)]
+
+
+def publish_step(run_uri: str, step: int, summaries: dict) -> dict:
+    """A markdown artifact (metrics, timings, samples), a table of samples and a link per stage
+    parquet, keyed per experiment so Prefect versions them over steps."""
+    from prefect.artifacts import (create_link_artifact, create_markdown_artifact,
+                                   create_table_artifact)
+
+    ctx = make_context(run_uri, step)
+    slug = artifact_slug(ctx.layout)
+    metrics = step_metrics(ctx, summaries)
+    samples = sample_rows(ctx)
+    lines = [f"# {ctx.layout.base}: step {step}", "", "| stage | status | rows | seconds |",
+             "|---|---|---|---|"]
+    for stage in STAGES:
+        s = summaries.get(stage) or {}
+        status = "cached" if s.get("skipped") else "ran"
+        lines.append(f"| {stage} | {status} | {s.get('rows')} | {s.get('seconds') or '-'} |")
+    lines += ["", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
+    lines += ["", "## samples", ""]
+    for row in samples:
+        lines += [f"- **{row['uid']}** score {row['score']}: `{_md(row['prompt'])}` → "
+                  f"`{_md(row['response'])}`"]
+    create_markdown_artifact(key=f"{slug}-step", markdown="\n".join(lines),
+                             description=f"{ctx.layout.base} step {step}")
+    create_table_artifact(key=f"{slug}-samples", table=samples,
+                          description=f"first rows of step {step}")
+    for stage in STAGES:
+        for name, path in ((summaries.get(stage) or {}).get("paths") or {}).items():
+            if name.endswith(".parquet"):
+                create_link_artifact(key=f"{slug}-{stage}", link=ctx.store.url(path),
+                                     link_text=f"step {step} {name}",
+                                     description=f"{ctx.layout.base} step {step} {stage}")
+    return metrics
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _md(text: str) -> str:
+    return str(text).replace("`", "'").replace("\n", " ")
+
+
+def log_line(step: int, metrics: dict) -> str:
+    """verl's console format: `step:k - key:value - ...`."""
+    parts = [f"step:{step}"]
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            text = f"{value:.3e}" if value and abs(value) < 1e-3 else f"{value:.3f}"
+        else:
+            text = str(value)
+        parts.append(f"{key}:{text}")
+    return " - ".join(parts)
+
+
+def logger():
+    try:
+        return get_run_logger()
+    except Exception:
+        import logging
+        return logging.getLogger("stagerl")

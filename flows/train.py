@@ -1,0 +1,310 @@
+"""The training flow `rl-train`: config -> plan -> lock -> run.json -> steps over epochs.
+
+Rerunning an experiment (same config, `stagerl resume`, `prefect flow-run retry`, a new
+`prefect deployment run`) continues at the first incomplete stage of the first incomplete step:
+complete steps are recognised from their manifests and not re-entered, complete stages of the
+current step end as Cached tasks. A config change that would alter finished work is refused
+(listing the keys); keys that cannot (RESUMABLE_KEYS) may change between runs."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from prefect import flow
+
+from flows.step import (check_stage_deployments, log_line, logger, make_context, register_run,
+                        rl_step, step_is_complete, step_metrics)
+from storage.artifacts import fingerprint, read_run_json, write_run_json
+from storage.layout import RunLayout
+from storage.lock import ExperimentLock
+from storage.store import Store
+
+# Config keys whose change cannot alter finished work (how long to train, logging, placement).
+RESUMABLE_PREFIXES = (
+    "trainer.logger",
+    "trainer.save_freq", "trainer.test_freq", "trainer.val_before_train", "trainer.val_only",
+    "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
+    "trainer.log_val_generations", "trainer.resume_mode", "trainer.resume_from_path",
+    "storage.", "orchestration.", "reward.num_workers", "reward.timeout_s",
+    "actor_rollout_ref.actor.optim.total_training_steps", "critic.optim.total_training_steps",
+)
+
+
+class RunConfigChanged(RuntimeError):
+    """The experiment exists with finished work and the new config would alter it."""
+
+
+def resolve(config: str, overrides: list[str], experiment_name: str | None):
+    """load_config + make_plan; a refusal raises ConfigError/PlanError with the keys and fixes."""
+    from configs.loader import load_config
+    from configs.suggest import make_plan
+
+    items = list(overrides or [])
+    if experiment_name:
+        items.append(f"trainer.experiment_name={experiment_name}")
+    cfg = load_config(config, items)
+    return cfg, make_plan(cfg)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in (tree or {}).items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def changed_keys(old: dict, new: dict) -> list[str]:
+    """Keys whose values differ between two configs, except those that cannot alter finished work."""
+    a, b = flatten(old), flatten(new)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return [k for k in keys if not k.startswith(RESUMABLE_PREFIXES)]
+
+
+def has_finished_work(store: Store, layout: RunLayout) -> bool:
+    return bool(store.find(layout.steps_dir)) or bool(store.list(layout.weights_dir))
+
+
+def check_run_json(store: Store, layout: RunLayout, cfg: dict, plan: dict, source: dict) -> dict:
+    """Write run.json, or check the existing one: a changed key that would alter finished work
+    is refused with the list of keys."""
+    from storage.secrets import scrub
+
+    old = read_run_json(store, layout)
+    clean = scrub(dict(cfg), store.secret_values)
+    if old is not None and has_finished_work(store, layout):
+        keys = changed_keys(old.get("config") or {}, clean)
+        if keys:
+            a, b = flatten(old.get("config") or {}), flatten(clean)
+            shown = "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:12])
+            raise RunConfigChanged(
+                f"experiment {layout.base} already has finished work and the config changed in "
+                f"{len(keys)} key(s) that would alter it: {shown}. Run with the original config to "
+                f"resume, or choose a new trainer.experiment_name (experiment_name=...) to start a "
+                f"new run")
+    return write_run_json(store, layout, dict(cfg), extra={"plan": plan, "source": source,
+                                                           "config_fingerprint": fingerprint(clean)})
+
+
+def acquire_lock(store: Store, layout: RunLayout, force: bool) -> ExperimentLock:
+    """The experiment lock; a lock left by a dead process on this host is taken over."""
+    lock = ExperimentLock(store, layout, force=force, owner="rl-train")
+    holder = lock.holder()
+    if holder and not force and holder.get("host") == socket.gethostname() \
+            and holder.get("pid") and not _pid_alive(int(holder["pid"])):
+        logger().warning(f"taking over the lock of dead process {holder['pid']} on this host")
+        lock.force = True
+    return lock.acquire()
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # a lock record with our pid is from an earlier run in a reused process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- schedule -------------------------------------------------------------------------------
+def load_dataset(cfg: dict, split: str = "train"):
+    from transformers import AutoTokenizer
+
+    from stages.dataset import RLDataset
+
+    model = os.path.expanduser(cfg["actor_rollout_ref"]["model"]["path"])
+    tokenizer = AutoTokenizer.from_pretrained(
+        model, trust_remote_code=bool(cfg["data"].get("trust_remote_code")))
+    return RLDataset(cfg["data"], tokenizer, split=split, fallback_seed=cfg["trainer"]["seed"])
+
+
+def total_steps(cfg: dict, steps_per_epoch: int) -> int:
+    """trainer.total_training_steps, else total_epochs × steps per epoch (as verl)."""
+    explicit = cfg["trainer"].get("total_training_steps")
+    return int(explicit) if explicit else int(cfg["trainer"]["total_epochs"]) * steps_per_epoch
+
+
+def step_extra(dataset, step: int, total: int) -> dict:
+    """What the flow tells a stage about step k (1-based): epoch and dataset position."""
+    position = dataset.position_for_step(step - 1)
+    return {"epoch": position.epoch, "data_position": position.to_dict(),
+            "steps_per_epoch": dataset.steps_per_epoch, "total_training_steps": total}
+
+
+# ---- weights kept ---------------------------------------------------------------------------
+def weights_to_delete(steps: list[int], latest: int, save_freq: int, keep: int | None) -> list[int]:
+    """Weights folders to remove after step `latest`: the latest is always kept (the next step
+    samples from it); others only at multiples of save_freq (> 0), at most `keep` in all. The
+    warm start's step 0 is never removed (it is the reference policy)."""
+    saved = [k for k in steps if k != latest and save_freq > 0 and k % save_freq == 0]
+    kept = sorted(saved + ([latest] if latest in steps else []))
+    if keep is not None and keep > 0 and len(kept) > keep:
+        kept = sorted(set(kept[-keep:]) | {latest})
+    return [k for k in steps if k not in kept and 0 < k < latest]  # step 0: the warm start (reference)
+
+
+def prune_weights(store: Store, layout: RunLayout, latest: int, cfg: dict) -> list[int]:
+    from storage.weights import list_weights
+
+    trainer = cfg["trainer"]
+    doomed = weights_to_delete(list_weights(store, layout), latest, int(trainer["save_freq"]),
+                               trainer.get("max_actor_ckpt_to_keep"))
+    for k in doomed:
+        store.delete(layout.weights(k), recursive=True)
+    return doomed
+
+
+# ---- logging --------------------------------------------------------------------------------
+class MetricSinks:
+    """trainer.logger: console (one verl-style line per step), tensorboard (if installed)."""
+
+    def __init__(self, cfg: dict):
+        names = cfg["trainer"]["logger"]
+        self.names = [names] if isinstance(names, str) else list(names)
+        self.writer = None
+        if "tensorboard" in self.names:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                folder = os.environ.get("TENSORBOARD_DIR") or os.path.join(
+                    "tensorboard_log", cfg["trainer"]["project_name"], cfg["trainer"]["experiment_name"])
+                self.writer = SummaryWriter(folder)
+            except ImportError:
+                logger().warning("trainer.logger has tensorboard but the tensorboard package is "
+                                 "not installed: `pip install tensorboard`; logging to console only")
+        if "wandb" in self.names:
+            logger().warning("trainer.logger has wandb: not supported by stagerl yet, ignored "
+                             "(metrics are in the store and in Prefect artifacts)")
+
+    def log(self, step: int, metrics: dict) -> None:
+        if "console" in self.names:
+            print(log_line(step, metrics), flush=True)
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+def validate(run_uri: str, step: int, extra: dict) -> dict | None:
+    """Validation: stages.rollout.generate_validation(ctx) rows, scored by the reward functions;
+    returns verl's val/test_score/{data_source} means."""
+    from flows.step import stage_module
+
+    fn = getattr(stage_module("rollout"), "generate_validation", None)
+    if fn is None:
+        logger().warning("validation requested but the rollout stage has no generate_validation")
+        return None
+    ctx = make_context(run_uri, step + 1, extra)  # samples the policy after `step` (0: initial)
+    rows = fn(ctx) or []
+    if not rows:
+        return {}
+    import pyarrow as pa
+
+    from stages.reward import scoring_rows
+    from stages.reward_fns import score_batch
+
+    key = ctx.get("data.reward_fn_key", "data_source")
+    spec = {"path": ctx.get("custom_reward_function.path"),
+            "name": ctx.get("custom_reward_function.name")}
+    results, _ = score_batch(scoring_rows(pa.Table.from_pylist(rows), key), spec,
+                             num_workers=int(ctx.get("reward.num_workers", 2)),
+                             timeout_s=float(ctx.get("reward.timeout_s", 10.0)))
+    by_source: dict = {}
+    for row, result in zip(rows, results):
+        by_source.setdefault(row.get(key), []).append(float(result["score"]))
+    return {f"val/test_score/{src}": sum(v) / len(v) for src, v in sorted(by_source.items())}
+
+
+# ---- the flow -------------------------------------------------------------------------------
+@flow(name="rl-train", log_prints=True)
+def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: str | None = None,
+          force_lock: bool = False) -> dict:
+    """Train (or resume) one experiment: steps over epochs, each a `rl-step` subflow."""
+    cfg, plan = resolve(config, overrides, experiment_name)
+    store = Store.from_config(cfg["storage"])
+    layout = RunLayout.from_config(cfg)
+    for warning in cfg.warnings:
+        logger().warning(warning)
+    check_stage_deployments(cfg)  # multi-pool mode: refuse missing/misplaced deployments first
+    lock = acquire_lock(store, layout, force_lock)
+    sinks = MetricSinks(cfg)
+    pool = None
+    try:
+        check_run_json(store, layout, cfg, plan,
+                       {"config": config, "overrides": list(overrides or []),
+                        "experiment_name": experiment_name})
+        run_uri = register_run(cfg, plan, store)
+        dataset = load_dataset(cfg)
+        total = total_steps(cfg, dataset.steps_per_epoch)
+        trainer = cfg["trainer"]
+        print(f"run {run_uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
+              f"{plan['rows_per_step']} rows per step", flush=True)
+        done, ran, last = [], [], {}
+        if (cfg.get("warmstart") or {}).get("enable"):  # stages.warmstart: step 0, once, resumable
+            from flows.step import task_result, retry_options, stage_task
+
+            task_result(stage_task.with_options(**retry_options(cfg))(
+                "warmstart", run_uri, 0, step_extra(dataset, 1, total), return_state=True))
+        if trainer["val_before_train"] and not _first_done(run_uri, total, dataset):
+            _log_validation(sinks, 0, validate(run_uri, 0, step_extra(dataset, 1, total)))
+        pool = start_rank_pool(cfg, plan)
+        for step in range(1, total + 1):
+            lock.refresh()
+            extra = step_extra(dataset, step, total)
+            ctx = make_context(run_uri, step, extra)
+            if step_is_complete(ctx):
+                done.append(step)
+                last = step_metrics(ctx)
+                sinks.log(step, last)
+                continue
+            t0 = time.perf_counter()
+            summaries = rl_step(run_uri, step, extra)
+            last = step_metrics(ctx, summaries)
+            last["timing_s/step"] = round(time.perf_counter() - t0, 3)
+            sinks.log(step, last)
+            ran.append(step)
+            prune_weights(store, layout, step, cfg)
+            if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
+                _log_validation(sinks, step, validate(run_uri, step, extra))
+        return {"run": run_uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
+                "last_metrics": last}
+    finally:
+        if pool is not None:
+            pool.close()
+        sinks.close()
+        lock.release()
+
+
+def start_rank_pool(cfg: dict, plan: dict):
+    """One long-lived group of ranks for the whole run (stages.rank_pool): logprob and update of
+    every step reuse it instead of paying a torchrun launch and a DeepSpeed set-up each time."""
+    world = plan["n_gpus"]
+    if world <= 1 or cfg["orchestration"]["mode"] != "local":
+        return None
+    from stages.rank_pool import RankPool, activate
+
+    pool = activate(RankPool(world, str(cfg["trainer"]["device"])))
+    pool.start()
+    return pool
+
+
+def _first_done(run_uri: str, total: int, dataset) -> bool:
+    """True when step 1 is already complete (a resumed run does not validate before training again)."""
+    if total < 1:
+        return True
+    return step_is_complete(make_context(run_uri, 1, step_extra(dataset, 1, total)))
+
+
+def _log_validation(sinks: MetricSinks, step: int, metrics: dict | None) -> None:
+    if metrics:
+        sinks.log(step, metrics)

@@ -1,0 +1,326 @@
+"""The Prefect flows end to end with real parts: `prefect server start` (SQLite), process work
+pools and workers, `prefect deploy` from this checkout, `prefect deployment run`, a moto S3
+endpoint, the real stages (tiny overrides, 1 rank), and `stagerl train`/`stagerl resume` as
+subprocesses killed with SIGKILL (STAGERL_FAULT) and resumed. Resume tests for every stage use
+the small stage modules in tests/_toy_stages (STAGERL_STAGES) so they stay fast."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _prefect_server import PrefectServer
+from _s3_server import MotoServer
+from flows.train import changed_keys, check_run_json, weights_to_delete, RunConfigChanged
+from flows.step import is_retryable, log_line
+from stages.faults import FaultSpecError, parse
+from storage.artifacts import read_manifest, read_table
+from storage.layout import STAGES, RunLayout
+from storage.store import Store, StoreError
+from storage.weights import folder_manifest, list_weights, load_weights
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+PROJECT, ROWS = "stagerl", 8  # 4 prompts x n=2
+
+
+# ---- pure parts ----------------------------------------------------------------------------
+def test_weights_kept_per_save_freq_and_max_to_keep():
+    assert weights_to_delete([1, 2, 3], 3, -1, None) == [1, 2]  # only the latest
+    assert weights_to_delete([1, 2, 3, 4, 5, 6], 6, 2, None) == [1, 3, 5]
+    assert weights_to_delete([2, 4, 6, 7], 7, 2, 2) == [2, 4]  # newest two: 6 and the latest 7
+    assert weights_to_delete([4], 4, -1, 1) == []
+    assert weights_to_delete([0, 1, 2], 2, -1, 1) == [1]  # the warm start (reference) stays
+
+
+def test_retry_policy_retries_storage_errors_only():
+    assert is_retryable(StoreError("write s3://b/k failed"))
+    assert is_retryable(ConnectionError("reset")) and is_retryable(TimeoutError())
+    assert is_retryable(OSError(5, "I/O error"))
+    for exc in (MemoryError(), ValueError("bad row 3"), FileNotFoundError("x.parquet"),
+                KeyError("col"), RuntimeError("rank 1 failed")):
+        assert not is_retryable(exc), exc
+
+
+def test_fault_spec_and_log_line():
+    assert parse("update:after_rows@2, reward:start:storage") == [
+        {"stage": "update", "point": "after_rows", "kind": "kill", "step": 2},
+        {"stage": "reward", "point": "start", "kind": "storage", "step": None}]
+    with pytest.raises(FaultSpecError, match="stage:point"):
+        parse("update")
+    assert log_line(3, {"actor/pg_loss": 0.25, "actor/lr": 1e-4, "n": 2}) == \
+        "step:3 - actor/pg_loss:0.250 - actor/lr:1.000e-04 - n:2"
+
+
+def test_run_json_refuses_changed_keys_that_alter_finished_work(tmp_path):
+    store = Store.from_config({"root": str(tmp_path)})
+    layout = RunLayout("p", "e")
+    cfg = {"data": {"train_batch_size": 4}, "trainer": {"logger": ["console"]}}
+    check_run_json(store, layout, cfg, {"rows": 8}, {})
+    store.write_json(layout.manifest(1, "rollout"), {"fingerprint": "x"})  # finished work
+    check_run_json(store, layout, {**cfg, "trainer": {"logger": ["console", "tensorboard"]}},
+                   {"rows": 8}, {})  # logging may change
+    with pytest.raises(RunConfigChanged, match=r"data.train_batch_size: 4 -> 8"):
+        check_run_json(store, layout, {**cfg, "data": {"train_batch_size": 8}}, {"rows": 16}, {})
+    assert changed_keys({"a": {"b": 1}, "storage": {"root": "x"}},
+                        {"a": {"b": 2}, "storage": {"root": "y"}}) == ["a.b"]
+
+
+def test_cli_refuses_a_bad_plan_and_an_unknown_experiment(tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, text=True,
+                              capture_output=True, timeout=120)
+
+    bad = cli("train", "data.train_batch_size=7", f"storage.root={tmp_path}")
+    assert bad.returncode == 2 and "data.train_batch_size=60" in bad.stdout
+    assert not (tmp_path / "stagerl").exists()  # refused before anything was written
+    missing = cli("resume", "nope", "--root", str(tmp_path))
+    assert missing.returncode == 2 and "no experiment 'nope'" in missing.stdout
+
+
+# ---- shared fixtures -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from stages.data_tools import write_arith_dataset
+    from stages.tiny_model import save_tiny_model
+
+    base = tmp_path_factory.mktemp("assets")
+    save_tiny_model(base / "model")
+    write_arith_dataset(base / "train.parquet", n=40)
+    write_arith_dataset(base / "test.parquet", n=8, split="test")
+    return base
+
+
+def tiny_overrides(assets, root, steps=2) -> list:
+    return [f"data.train_files={assets}/train.parquet", f"data.val_files={assets}/test.parquet",
+            f"actor_rollout_ref.model.path={assets}/model", f"storage.root={root}",
+            f"storage.cache_dir={root}-cache",
+            "data.train_batch_size=4", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.hf_generate_batch_size=8", "trainer.n_gpus_per_node=1",
+            f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "reward.num_workers=1",
+            "orchestration.retry_delay_s=0.5"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with PrefectServer(tmp_path_factory.mktemp("prefect-home")) as srv:
+        yield srv
+
+
+def stagerl(server, args, toy=False, fault=None, timeout=420):
+    """`stagerl ARGS` in its own session against the test server; returns CompletedProcess."""
+    env = server.env(PYTHONUNBUFFERED="1")  # a SIGKILLed process loses no buffered log lines
+    env.pop("STAGERL_FAULT", None)
+    if toy:
+        env.update(STAGERL_STAGES="_toy_stages", PYTHONPATH=f"{TESTS}{os.pathsep}{REPO}")
+    if fault:
+        env["STAGERL_FAULT"] = fault
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a killed run (its rank processes)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def manifest_times(store, layout, steps=(1, 2)) -> dict:
+    out = {}
+    for step in steps:
+        for stage in STAGES:
+            m = read_manifest(store, layout, step, stage)
+            out[(step, stage)] = m and m["written_at"]
+    return out
+
+
+# ---- deployments on a real server ----------------------------------------------------------
+S3_CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
+@pytest.fixture(scope="module")
+def deployed(server, assets, tmp_path_factory):
+    """prefect deploy + a process worker + `prefect deployment run 'rl-train/tiny-cpu'`: real
+    stages, 2 steps, the store on a moto S3 endpoint. Yields (store, layout, run output)."""
+    with MotoServer() as s3:
+        s3.make_bucket("runs")
+        creds = {**S3_CREDS, "AWS_ENDPOINT_URL": s3.endpoint_url}
+        server.cli("work-pool", "create", "cpu", "--type", "process", "--overwrite")
+        server.cli("deploy", "--name", "tiny-cpu", cwd=REPO)
+        worker = server.start_worker("cpu", REPO, server.env(**creds))
+        overrides = tiny_overrides(assets, "s3://runs/e2e", steps=2)
+        params = json.dumps({"overrides": overrides, "experiment_name": "deployed"})
+        run = server.cli("deployment", "run", "rl-train/tiny-cpu", "--params", params, "--watch",
+                         "--watch-interval", "2", "--watch-timeout", "480", cwd=REPO,
+                         timeout=540, check=False)
+        assert run.returncode == 0, run.stdout[-3000:] + worker.log.read_text()[-6000:]
+        old = dict(os.environ)
+        os.environ.update(creds)
+        try:
+            yield Store.from_config({"root": "s3://runs/e2e"}), RunLayout(PROJECT, "deployed"), run
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+
+
+def test_deployment_run_two_steps_on_s3(deployed, tmp_path):
+    """Every stage's parquet of both steps and the step-2 weights, read back from S3."""
+    store, layout, run = deployed
+    assert "Completed" in run.stdout
+    for step in (1, 2):
+        for stage in STAGES:
+            table = read_table(store, layout, step, stage)
+            assert table.num_rows == ROWS or (stage == "update" and table.num_rows > 0)
+        uids = read_table(store, layout, step, "rollout").column("uid").to_pylist()
+        assert len(set(uids)) == ROWS // 2
+    assert list_weights(store, layout) == [2]  # save_freq=-1 keeps only the latest
+    folder = load_weights(store, layout, 2, cache_dir=tmp_path / "cache")
+    assert (folder / "model.safetensors").stat().st_size > 0
+    assert store.exists(layout.run_json) and not store.exists(layout.lock)
+
+
+def test_each_step_publishes_versioned_artifacts(server, deployed):
+    """Markdown (metrics, samples), a samples table and parquet links, one version per step."""
+    def versions(key):
+        out = server.cli("artifact", "inspect", key, "-o", "json")
+        return json.loads(out.stdout)
+
+    steps = versions("stagerl-deployed-step")
+    assert len(steps) == 2 and all(a["type"] == "markdown" for a in steps)
+    texts = sorted(a["data"] for a in steps)
+    assert "stagerl/deployed: step 1" in texts[0] and "stagerl/deployed: step 2" in texts[1]
+    assert "| rollout | ran | 8 |" in texts[0] and "reward/score/mean" in texts[0]
+    links = versions("stagerl-deployed-rollout")
+    for k, data in zip((1, 2), sorted(a["data"] for a in links)):
+        assert f"s3://runs/e2e/stagerl/deployed/steps/00000{k}/rollout.parquet" in data
+    assert len(json.loads(versions("stagerl-deployed-samples")[0]["data"])) == 3
+
+
+def test_real_stages_kill_in_update_then_resume_equals_uninterrupted(server, assets, tmp_path,
+                                                                     deployed):
+    """The real stages: a run killed inside step 2's update (weights written, manifest not) and
+    resumed with `stagerl resume` ends with the deployed (uninterrupted) run's step-2 weights;
+    step 1 and step 2's earlier stages are not re-run."""
+    ref_store, ref_layout, _ = deployed
+    root = tmp_path / "runs"
+    killed = stagerl(server, ["train", "--experiment", "r", *tiny_overrides(assets, root)],
+                     fault="update:before_manifest@2")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "r")
+    before = manifest_times(store, layout)
+    assert before[(2, "update")] is None and before[(2, "advantage")]
+    resumed = stagerl(server, ["resume", "r", "--root", str(root)])
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    after = manifest_times(store, layout)
+    assert all(after[k] == v for k, v in before.items() if v is not None) and all(after.values())
+    assert folder_manifest(store, layout.weights(2))["checksum"] == \
+        folder_manifest(ref_store, ref_layout.weights(2))["checksum"]
+
+
+# ---- resume --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stage_pools(server):
+    """Process pools `inference` and `training` with a worker each, and the rl-stage/rollout and
+    rl-stage/update deployments of prefect.yaml on them (toy stages)."""
+    env = server.env(STAGERL_STAGES="_toy_stages", PYTHONPATH=f"{TESTS}{os.pathsep}{REPO}")
+    for pool in ("inference", "training"):
+        server.cli("work-pool", "create", pool, "--type", "process", "--overwrite")
+        server.start_worker(pool, REPO, env)
+    server.cli("deploy", "--name", "rollout", "--name", "update", cwd=REPO)
+
+
+def test_sigkill_inside_each_stage_then_resume(server, stage_pools, assets, tmp_path):
+    """For each stage in turn: SIGKILL inside it in step 2 (its files written, its manifest not),
+    then resume — each resume is itself killed in the next stage, the last one finishes. Complete
+    stages are never re-run (manifest times unchanged), and the final weights equal those of an
+    uninterrupted reference run. The reference runs in multi-pool mode (orchestration.mode=
+    deployments: rollout and update as deployments on the inference and training pools) and
+    survives an injected storage error in reward (retried)."""
+    ref_root, root = tmp_path / "ref", tmp_path / "runs"
+    ref = stagerl(server, ["train", "--experiment", "x", *tiny_overrides(assets, ref_root),
+                           "orchestration.mode=deployments"], toy=True,
+                  fault="reward:start:storage@1")
+    assert ref.returncode == 0, ref.stdout[-4000:]
+    assert "injected storage error" in ref.stdout and "Retry 1/" in ref.stdout
+    ref_store = Store.from_config({"root": str(ref_root)})
+    pid = {s: read_manifest(ref_store, RunLayout(PROJECT, "x"), 2, s)["pid"] for s in STAGES}
+    assert pid["rollout"] != pid["reward"] != pid["update"]  # the pools' workers ran them
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "x")
+    args = ["train", "--experiment", "x", *tiny_overrides(assets, root)]
+    for i, stage in enumerate(STAGES):
+        before = manifest_times(store, layout)
+        res = stagerl(server, args if i == 0 else ["resume", "x", "--root", str(root)], toy=True,
+                      fault=f"{stage}:before_manifest@2")
+        assert res.returncode == -signal.SIGKILL, (stage, res.stdout[-3000:])
+        after = manifest_times(store, layout)
+        assert all(after[(1, s)] for s in STAGES) and after[(2, stage)] is None
+        assert all(after[k] == v for k, v in before.items() if v is not None), stage
+        assert [after[(2, s)] is not None for s in STAGES] == [s < i for s in range(5)]
+        assert ("Cached" in res.stdout) == (i > 1), stage  # step 2 stages completed earlier: Cached
+    before = manifest_times(store, layout)
+    final = stagerl(server, ["resume", "x", "--root", str(root)], toy=True)
+    assert final.returncode == 0, final.stdout[-4000:]
+    after = manifest_times(store, layout)
+    assert all(after[k] == v for k, v in before.items() if v is not None) and all(after.values())
+    assert folder_manifest(store, layout.weights(2))["checksum"] == \
+        folder_manifest(ref_store, layout.weights(2))["checksum"]
+
+
+def test_stage_deployment_on_the_wrong_pool_is_refused(server, stage_pools, assets, tmp_path):
+    bad = stagerl(server, ["train", "--experiment", "pools", *tiny_overrides(assets, tmp_path, 1),
+                           "orchestration.mode=deployments", "orchestration.update_pool=gpu"],
+                  toy=True)
+    assert bad.returncode == 1 and "orchestration.update_pool='gpu'" in bad.stdout
+
+
+def test_bad_input_is_not_retried(server, assets, tmp_path):
+    bad = stagerl(server, ["train", "--experiment", "bad", *tiny_overrides(assets, tmp_path, 1)],
+                  toy=True, fault="advantage:start:value")
+    assert bad.returncode == 1 and "injected bad input at advantage:start" in bad.stdout
+    assert "Retry 1/" not in bad.stdout
+
+
+# ---- cluster files -------------------------------------------------------------------------
+@pytest.mark.skipif(not shutil.which("docker-compose"), reason="docker-compose not installed")
+def test_docker_compose_config_is_valid():
+    out = subprocess.run(["docker-compose", "--env-file", ".env.example", "config"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import yaml
+
+    services = yaml.safe_load(out.stdout)["services"]
+    assert {"postgres", "prefect-server", "minio", "minio-bucket", "cpu-worker",
+            "gpu-worker"} <= set(services)
+    assert services["gpu-worker"]["runtime"] == "nvidia"
+    ports = [p for s in services.values() for p in s.get("ports", [])]
+    assert ports and all(str(p).startswith("127.0.0.1:") or
+                         (isinstance(p, dict) and p.get("host_ip") == "127.0.0.1") for p in ports)
+    assert "change-me-postgres" in services["prefect-server"]["environment"][
+        "PREFECT_API_DATABASE_CONNECTION_URL"]  # credentials come from the env file
+    assert subprocess.run(["docker-compose", "--env-file", ".env.example", "config", "-q"],
+                          cwd=REPO, timeout=120).returncode == 0
+
+
+def test_prefect_yaml_deployments():
+    import yaml
+
+    doc = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    deps = {d["name"]: d for d in doc["deployments"]}
+    assert deps["tiny-cpu"]["parameters"]["config"] == "tiny-cpu"
+    assert deps["gsm8k-qwen2.5-0.5b"]["work_pool"]["name"] == "gpu"
+    assert set(deps["tiny-cpu"]["parameters"]) == {"config", "overrides", "experiment_name"}
+    assert deps["rollout"]["work_pool"]["name"] == "inference"
+    assert deps["update"]["work_pool"]["name"] == "training"
+    pull = doc["pull"][0]["prefect.deployments.steps.set_working_directory"]
+    assert pull["directory"] == "{{ checkout.stdout }}"
