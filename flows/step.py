@@ -161,7 +161,7 @@ def execute_stage(stage: str, run_uri: str, step: int, extra: dict | None = None
             raise RuntimeError(f"deployment {deployment} finished but step {step} stage {stage!r} "
                                f"has no manifest in {run_uri}")
     else:
-        from stages.faults import maybe_fault
+        from storage.faults import maybe_fault
 
         maybe_fault(stage, "start", step)
         manifest = module.run(ctx)

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from storage import schemas
+from storage.faults import maybe_fault
 from storage.layout import (STAGE_FILES, STAGES, RunLayout, check_stage, parse_step, temp_key)
 from storage.secrets import scrub
 from storage.store import Store
@@ -96,7 +97,7 @@ def upload_files(store: Store, layout: RunLayout, step: int, stage: str, files: 
 def write_manifest(store: Store, layout: RunLayout, step: int, stage: str, entries: dict, *,
                    fingerprint: str, inputs=None, timings=None, extra=None) -> dict:
     """Phase 2 of a commit: write the manifest (secrets removed). The stage is now complete."""
-    __import__("stages.faults").faults.maybe_fault(stage, "before_manifest", step)  # STAGERL_FAULT
+    maybe_fault(stage, "before_manifest", step)  # STAGERL_FAULT: fault injection for resume tests
     rows = [e["rows"] for e in entries.values() if e.get("rows") is not None]
     manifest = {
         "manifest_version": MANIFEST_VERSION,

@@ -6,7 +6,7 @@ import hashlib
 import json
 import time
 
-from stages.faults import maybe_fault
+from storage.faults import maybe_fault
 from storage.artifacts import upload_files, write_manifest
 
 

@@ -2,7 +2,7 @@ import random
 import sys
 import time
 
-from stages.faults import maybe_fault
+from storage.faults import maybe_fault
 from storage.artifacts import read_table
 from storage.schemas import make_table
 

@@ -5,7 +5,7 @@ import time
 
 import pyarrow.parquet as pq
 
-from stages.faults import maybe_fault
+from storage.faults import maybe_fault
 from storage.schemas import make_table
 
 from . import write

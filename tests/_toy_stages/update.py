@@ -4,7 +4,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stages.faults import maybe_fault
+from storage.faults import maybe_fault
 from storage.artifacts import read_table
 from storage.schemas import make_table
 from storage.weights import save_weights
