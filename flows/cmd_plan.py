@@ -132,7 +132,7 @@ def _micro_lines(role: dict) -> list[str]:
     micro = role["ppo_micro_batch_size_per_gpu"]
     return [_line("micro-batch per rank (rows)", micro, "= ppo_micro_batch_size_per_gpu"),
             _line("micro-batches (grad accumulation)", role["grad_accum_steps"],
-                  f"= {role['ppo_mini_batch_size_per_gpu']} ÷ {micro}; each loss × 1/{role['grad_accum_steps']}")]
+                  f"= {role['ppo_mini_batch_size_per_gpu']} ÷ {micro} per optimizer step")]
 
 
 def _log_prob_lines(title: str, lp: dict, rows_per_rank: int) -> list[str]:
