@@ -37,6 +37,15 @@ test: install
 demo: install
 	$(PY) -m flows.demo
 
+# Every benchmark, side by side in one run; JSON in bench/results/, the table in BENCHMARKS.md.
+bench: install
+	$(PY) bench/storage.py
+	$(PY) bench/rollout.py
+	$(PY) bench/logprob.py
+	$(PY) bench/update.py
+	$(PY) bench/launch.py
+	$(PY) bench/step.py --steps 3
+
 clean-venv:
 	rm -rf $(VENV) .cache
 

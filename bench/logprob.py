@@ -49,7 +49,7 @@ def make_step(root: Path, model_dir: Path, rows: int, dynamic: bool, budget: int
     from storage.schemas import make_table
 
     prompts = rows // N
-    overrides = [f"storage.root={root}", "trainer.experiment_name=bench", "trainer.n_gpus_per_node=1",
+    overrides = [f"storage.root={root}", "trainer.experiment_name=bench", "trainer.n_gpus_per_node=1", "warmstart.enable=false",
                  f"actor_rollout_ref.model.path={model_dir}", f"data.train_batch_size={prompts}",
                  f"actor_rollout_ref.rollout.n={N}", f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
                  "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",

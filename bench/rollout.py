@@ -39,7 +39,7 @@ def bench_engine(engine: str, folder: Path, model: Path, train: Path, seed: int)
     from stages import rollout
     from stages.context import StageContext
 
-    cfg = load_config("tiny-cpu", [f"storage.root={folder / 'store'}", f"trainer.experiment_name={engine}",
+    cfg = load_config("tiny-cpu", ["warmstart.enable=false", f"storage.root={folder / 'store'}", f"trainer.experiment_name={engine}",
                                    f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
                                    f"data.val_files={train}", f"trainer.seed={seed}",
                                    *ENGINE_OVERRIDES[engine]])

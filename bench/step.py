@@ -43,6 +43,7 @@ def main() -> int:
     overrides = [f"data.train_files={work}/train.parquet", f"data.val_files={work}/test.parquet",
                  f"actor_rollout_ref.model.path={work}/model", f"storage.root={work}/runs",
                  f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
+                 "warmstart.enable=false", "trainer.val_before_train=false",
                  *args.overrides]
     from flows.train import train
     from storage.artifacts import read_manifest

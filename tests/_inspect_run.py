@@ -21,7 +21,7 @@ MICRO_BATCHES = [(0, 0, [0, 1]), (0, 1, [2]), (1, 0, [3, 4, 5])]
 
 
 def run_config(root, model_path, experiment="demo"):
-    return load_config("tiny-cpu", [
+    return load_config("tiny-cpu", ["warmstart.enable=false", 
         f"storage.root={root}", f"trainer.experiment_name={experiment}",
         f"actor_rollout_ref.model.path={model_path}", f"data.max_response_length={MAX_RESPONSE}",
         "actor_rollout_ref.actor.use_dynamic_bsz=true",

@@ -12,7 +12,7 @@ from storage.schemas import make_table
 
 
 def make_ctx(root, model_dir, overrides=(), ranks=1, step=1):
-    cfg = load_config("tiny-cpu", [
+    cfg = load_config("tiny-cpu", ["warmstart.enable=false", "actor_rollout_ref.rollout.temperature=1.0", 
         f"storage.root={root}", "trainer.experiment_name=lp", f"trainer.n_gpus_per_node={ranks}",
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",

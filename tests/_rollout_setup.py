@@ -33,7 +33,7 @@ def write_dataset(path, rows):
 
 def make_ctx(root, assets, overrides=(), step=1, experiment="t"):
     model, train, val = assets
-    cfg = load_config("tiny-cpu", [f"storage.root={root}", f"trainer.experiment_name={experiment}",
+    cfg = load_config("tiny-cpu", ["warmstart.enable=false", f"storage.root={root}", f"trainer.experiment_name={experiment}",
                                    f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
                                    f"data.val_files={val}", *SMALL, *overrides])
     return StageContext.create(cfg, make_plan(cfg), step)

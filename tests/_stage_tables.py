@@ -19,7 +19,7 @@ SMALL = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=3", "trainer.n_
 
 
 def make_ctx(root, overrides=(), step=1, experiment="t"):
-    cfg = load_config("tiny-cpu", [f"storage.root={root}", f"trainer.experiment_name={experiment}",
+    cfg = load_config("tiny-cpu", ["warmstart.enable=false", f"storage.root={root}", f"trainer.experiment_name={experiment}",
                                    *SMALL, *overrides])
     return StageContext.create(cfg, make_plan(cfg), step)
 

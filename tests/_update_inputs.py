@@ -10,7 +10,7 @@ from stages.context import StageContext
 from storage.artifacts import write_table
 from storage.schemas import make_table
 
-BASE = ["data.max_prompt_length=16", "data.max_response_length=24", "data.train_batch_size=4",
+BASE = ["warmstart.enable=false", "data.max_prompt_length=16", "data.max_response_length=24", "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",

@@ -76,7 +76,8 @@ def test_cli_refuses_a_bad_plan_and_an_unknown_experiment(tmp_path):
                               capture_output=True, timeout=120)
 
     bad = cli("train", "data.train_batch_size=7", f"storage.root={tmp_path}")
-    assert bad.returncode == 2 and "data.train_batch_size=60" in bad.stdout
+    assert bad.returncode == 2 and "must be >= actor.ppo_mini_batch_size (15)" in bad.stdout
+    assert "data.train_batch_size=15" in bad.stdout  # a value that works is suggested
     assert not (tmp_path / "stagerl").exists()  # refused before anything was written
     missing = cli("resume", "nope", "--root", str(tmp_path))
     assert missing.returncode == 2 and "no experiment 'nope'" in missing.stdout
@@ -96,7 +97,7 @@ def assets(tmp_path_factory):
 
 
 def tiny_overrides(assets, root, steps=2) -> list:
-    return [f"data.train_files={assets}/train.parquet", f"data.val_files={assets}/test.parquet",
+    return ["warmstart.enable=false", "trainer.val_before_train=false", f"data.train_files={assets}/train.parquet", f"data.val_files={assets}/test.parquet",
             f"actor_rollout_ref.model.path={assets}/model", f"storage.root={root}",
             f"storage.cache_dir={root}-cache",
             "data.train_batch_size=4", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
