@@ -3,7 +3,10 @@
 orchestration (Prefect tasks/subflow/artifacts) and process launch. Prints JSON and writes
 bench/results/step.json.
 
-    python bench/step.py [--steps 1] [key=value ...]      # overrides, e.g. data.train_batch_size=8
+    python bench/step.py [--steps 3] [key=value ...]      # overrides, e.g. data.train_batch_size=8
+
+Reports the mean of steps 2.. (the rank pool and DeepSpeed engine are warm by then; step 1 pays
+their start) and every step under per_step.
 
 Builds the tiny model and the arithmetic data in a scratch folder; runs against a temporary local
 Prefect server unless PREFECT_API_URL is set. Split, per step:
@@ -27,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stagerl-bench-step-"))
@@ -45,41 +48,86 @@ def main() -> int:
                  f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
                  "warmstart.enable=false", "trainer.val_before_train=false",
                  *args.overrides]
-    from flows.train import train
+    import flows.train as train_mod
     from storage.artifacts import read_manifest
     from storage.layout import STAGES, RunLayout
     from storage.store import Store
 
+    logged = {}  # step -> the metrics the flow logs for it (timing_s/* included)
+    original_log = train_mod.MetricSinks.log
+
+    def recording_log(self, step, metrics):
+        logged[step] = dict(metrics)
+        return original_log(self, step, metrics)
+
+    train_mod.MetricSinks.log = recording_log
+    import flows.step as step_mod
+
+    publish_s = {}  # step -> seconds spent publishing its Prefect artifacts (part of orchestration)
+    original_publish = step_mod.publish_step
+
+    def timed_publish(run_uri, step, summaries):
+        t = time.perf_counter()
+        try:
+            return original_publish(run_uri, step, summaries)
+        finally:
+            publish_s[step] = time.perf_counter() - t
+
+    step_mod.publish_step = timed_publish
     t0 = time.perf_counter()
-    result = train(config="tiny-cpu", overrides=overrides, experiment_name="bench-step")
+    train_mod.train(config="tiny-cpu", overrides=overrides, experiment_name="bench-step")
     flow_s = time.perf_counter() - t0
     store = Store.from_config({"root": str(work / "runs")})
     layout = RunLayout("stagerl", "bench-step")
-    metrics = result["last_metrics"]
-    step = args.steps
-    stage_s = {s: float(metrics.get(f"timing_s/{s}", 0.0)) for s in STAGES}
-    storage_s, launch_s = 0.0, 0.0
-    for stage in STAGES:
-        timings = (read_manifest(store, layout, step, stage) or {}).get("timings") or {}
-        storage_s += sum(float(v) for k, v in timings.items()
-                         if isinstance(v, (int, float)) and k.endswith(("storage_write_s", "upload_s")))
-    launch_s += sum(float(v) for k, v in metrics.items() if k.startswith("timing/launch_overhead"))
-    step_s = float(metrics.get("timing_s/step", sum(stage_s.values())))
-    orchestration_s = max(0.0, step_s - sum(stage_s.values()))
-    compute_s = max(0.0, sum(stage_s.values()) - storage_s - launch_s)
-    out = {"config": "tiny-cpu", "overrides": args.overrides, "step": step,
-           "rows": metrics.get("reward/rows"), "step_s": round(step_s, 3),
-           "stage_s": {k: round(v, 3) for k, v in stage_s.items()},
-           "split_s": {"stage_compute": round(compute_s, 3), "storage_io": round(storage_s, 3),
-                       "orchestration": round(orchestration_s, 3), "process_launch": round(launch_s, 3)},
-           "non_compute_fraction": round(1 - compute_s / step_s, 4) if step_s else None,
+    steps = [split_step(store, layout, read_manifest, STAGES, k, logged[k])
+             for k in sorted(logged) if k >= 1]
+    for s in steps:  # orchestration = artifacts + Prefect task/subflow bookkeeping
+        s["orchestration_detail_s"] = {"publish_artifacts": round(publish_s.get(s["step"], 0.0), 3)}
+        s["orchestration_detail_s"]["tasks_and_subflow"] = round(
+            s["split_s"]["orchestration"] - s["orchestration_detail_s"]["publish_artifacts"], 3)
+    warm = [s for s in steps if s["step"] >= 2] or steps
+    mean = lambda key, sub=None: round(sum((s[sub].get(key, 0.0) if sub else s[key]) for s in warm)
+                                       / len(warm), 3)
+    split = {k: mean(k, "split_s") for k in warm[0]["split_s"]}
+    step_s = mean("step_s")
+    out = {"config": "tiny-cpu", "overrides": args.overrides, "steps_run": len(steps),
+           "reported_steps": [s["step"] for s in warm], "rows": warm[-1]["rows"],
+           "step_s": step_s, "stage_s": {k: mean(k, "stage_s") for k in STAGES},
+           "split_s": split,
+           "non_compute_fraction": round(1 - split["stage_compute"] / step_s, 4) if step_s else None,
+           "orchestration_detail_s": {k: mean(k, "orchestration_detail_s")
+                                      for k in warm[0]["orchestration_detail_s"]},
+           "update_detail_s": {k: mean(k, "update_detail_s") for k in warm[0]["update_detail_s"]},
+           "per_step": steps,
            "flow_wall_s_including_setup": round(flow_s, 3),
-           "machine": f"{os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d")}
+           "machine": f"{os.cpu_count()} CPUs", "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(out, indent=2))
     results = REPO / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "step.json").write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def split_step(store, layout, read_manifest, stages, step: int, metrics: dict) -> dict:
+    """One step's wall time split into compute, storage I/O, orchestration and launch."""
+    stage_s = {s: float(metrics.get(f"timing_s/{s}", 0.0)) for s in stages}
+    storage_s = 0.0
+    for stage in stages:
+        timings = (read_manifest(store, layout, step, stage) or {}).get("timings") or {}
+        storage_s += sum(float(v) for k, v in timings.items() if isinstance(v, (int, float))
+                         and k.endswith(("storage_write_s", "upload_s")))
+    launch_s = sum(float(v) for k, v in metrics.items() if k.startswith("timing/launch_overhead"))
+    step_s = float(metrics.get("timing_s/step", sum(stage_s.values())))
+    compute_s = max(0.0, sum(stage_s.values()) - storage_s - launch_s)
+    detail = {k.split("/", 1)[1]: round(float(metrics[k]), 3) for k in
+              ("timing/launch_s", "timing/rank_init_s", "timing/rank_train_s",
+               "timing/rank_save_export_s", "timing/upload_s") if k in metrics}
+    return {"step": step, "rows": metrics.get("reward/rows"), "step_s": round(step_s, 3),
+            "stage_s": {k: round(v, 3) for k, v in stage_s.items()},
+            "split_s": {"stage_compute": round(compute_s, 3), "storage_io": round(storage_s, 3),
+                        "orchestration": round(max(0.0, step_s - sum(stage_s.values())), 3),
+                        "process_launch": round(launch_s, 3)},
+            "update_detail_s": detail}
 
 
 if __name__ == "__main__":

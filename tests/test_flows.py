@@ -1,8 +1,9 @@
 """The Prefect flows end to end with real parts: `prefect server start` (SQLite), process work
-pools and workers, `prefect deploy` from this checkout, `prefect deployment run`, a moto S3
-endpoint, the real stages (tiny overrides, 1 rank), and `stagerl train`/`stagerl resume` as
-subprocesses killed with SIGKILL (STAGERL_FAULT) and resumed. Resume tests for every stage use
-the small stage modules in tests/_toy_stages (STAGERL_STAGES) so they stay fast."""
+pools and workers, `prefect deploy` from this checkout, `prefect deployment run` at the CPU
+default's shape (720 rows, 2 ranks) with the store on a moto S3 endpoint, and the real stages in
+`stagerl train`/`stagerl resume` subprocesses killed with SIGKILL inside each stage (STAGERL_FAULT)
+and resumed (tiny overrides, 1 rank). Multi-pool mode and the retry policy use the small stage
+modules in tests/_toy_stages (STAGERL_STAGES): they test orchestration, not the stages."""
 import json
 import os
 import shutil
@@ -25,7 +26,8 @@ from storage.weights import folder_manifest, list_weights, load_weights
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
-PROJECT, ROWS = "stagerl", 8  # 4 prompts x n=2
+PROJECT = "stagerl"
+DEFAULT_ROWS = 720  # the CPU default (configs/tiny-cpu.yaml): 60 prompts x n=12
 
 
 # ---- pure parts ----------------------------------------------------------------------------
@@ -92,8 +94,19 @@ def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("assets")
     save_tiny_model(base / "model")
     write_arith_dataset(base / "train.parquet", n=40)
+    write_arith_dataset(base / "train-120.parquet", n=120)  # 2 steps of the CPU default
     write_arith_dataset(base / "test.parquet", n=8, split="test")
     return base
+
+
+def default_shape_overrides(assets, root, steps=2) -> list:
+    """The CPU default's batch (60 prompts x 12 = 720 rows, 2 ranks, its micro-batches) with
+    short responses, no warm start and no validation, so that a step takes seconds."""
+    return ["warmstart.enable=false", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            f"data.train_files={assets}/train-120.parquet", f"data.val_files={assets}/test.parquet",
+            f"actor_rollout_ref.model.path={assets}/model", f"storage.root={root}",
+            f"storage.cache_dir={assets}/default-cache", "data.max_response_length=16",
+            f"trainer.total_training_steps={steps}", "orchestration.retry_delay_s=0.5"]
 
 
 def tiny_overrides(assets, root, steps=2) -> list:
@@ -153,14 +166,15 @@ S3_CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 @pytest.fixture(scope="module")
 def deployed(server, assets, tmp_path_factory):
     """prefect deploy + a process worker + `prefect deployment run 'rl-train/tiny-cpu'`: real
-    stages, 2 steps, the store on a moto S3 endpoint. Yields (store, layout, run output)."""
+    stages at the CPU default's shape (720 rows, 2 ranks), 2 steps, the store on a moto S3
+    endpoint. Yields (store, layout, run output)."""
     with MotoServer() as s3:
         s3.make_bucket("runs")
         creds = {**S3_CREDS, "AWS_ENDPOINT_URL": s3.endpoint_url}
         server.cli("work-pool", "create", "cpu", "--type", "process", "--overwrite")
         server.cli("deploy", "--name", "tiny-cpu", cwd=REPO)
         worker = server.start_worker("cpu", REPO, server.env(**creds))
-        overrides = tiny_overrides(assets, "s3://runs/e2e", steps=2)
+        overrides = default_shape_overrides(assets, "s3://runs/e2e", steps=2)
         params = json.dumps({"overrides": overrides, "experiment_name": "deployed"})
         run = server.cli("deployment", "run", "rl-train/tiny-cpu", "--params", params, "--watch",
                          "--watch-interval", "2", "--watch-timeout", "480", cwd=REPO,
@@ -176,15 +190,22 @@ def deployed(server, assets, tmp_path_factory):
 
 
 def test_deployment_run_two_steps_on_s3(deployed, tmp_path):
-    """Every stage's parquet of both steps and the step-2 weights, read back from S3."""
+    """Every stage's parquet of both steps (720 rows each) and the step-2 weights, read back
+    from S3; the update ran on 2 ranks."""
     store, layout, run = deployed
     assert "Completed" in run.stdout
     for step in (1, 2):
         for stage in STAGES:
-            table = read_table(store, layout, step, stage)
-            assert table.num_rows == ROWS or (stage == "update" and table.num_rows > 0)
+            if stage != "update":
+                assert read_table(store, layout, step, stage).num_rows == DEFAULT_ROWS, stage
         uids = read_table(store, layout, step, "rollout").column("uid").to_pylist()
-        assert len(set(uids)) == ROWS // 2
+        assert len(set(uids)) == DEFAULT_ROWS // 12
+        micro = read_table(store, layout, step, "update")  # one row per (rank, micro-batch)
+        assert sorted(set(micro.column("rank").to_pylist())) == [0, 1]
+        actor_rows = [r for rows, role in zip(micro.column("rows").to_pylist(),
+                                              micro.column("role").to_pylist())
+                      if role == "actor" for r in rows]
+        assert sorted(actor_rows) == list(range(DEFAULT_ROWS))  # ppo_epochs=1: each row once
     assert list_weights(store, layout) == [2]  # save_freq=-1 keeps only the latest
     folder = load_weights(store, layout, 2, cache_dir=tmp_path / "cache")
     assert (folder / "model.safetensors").stat().st_size > 0
@@ -201,35 +222,52 @@ def test_each_step_publishes_versioned_artifacts(server, deployed):
     assert len(steps) == 2 and all(a["type"] == "markdown" for a in steps)
     texts = sorted(a["data"] for a in steps)
     assert "stagerl/deployed: step 1" in texts[0] and "stagerl/deployed: step 2" in texts[1]
-    assert "| rollout | ran | 8 |" in texts[0] and "reward/score/mean" in texts[0]
+    assert f"| rollout | ran | {DEFAULT_ROWS} |" in texts[0] and "reward/score/mean" in texts[0]
     links = versions("stagerl-deployed-rollout")
     for k, data in zip((1, 2), sorted(a["data"] for a in links)):
         assert f"s3://runs/e2e/stagerl/deployed/steps/00000{k}/rollout.parquet" in data
     assert len(json.loads(versions("stagerl-deployed-samples")[0]["data"])) == 3
 
 
-def test_real_stages_kill_in_update_then_resume_equals_uninterrupted(server, assets, tmp_path,
-                                                                     deployed):
-    """The real stages: a run killed inside step 2's update (weights written, manifest not) and
-    resumed with `stagerl resume` ends with the deployed (uninterrupted) run's step-2 weights;
-    step 1 and step 2's earlier stages are not re-run."""
-    ref_store, ref_layout, _ = deployed
+# ---- fault injection: SIGKILL inside each real stage, then resume ---------------------------
+@pytest.fixture(scope="module")
+def reference_checksum(server, assets, tmp_path_factory):
+    """The step-2 weights' checksum of an uninterrupted run (real stages, tiny overrides)."""
+    root = tmp_path_factory.mktemp("reference")
+    ref = stagerl(server, ["train", "--experiment", "f", *tiny_overrides(assets, root)])
+    assert ref.returncode == 0, ref.stdout[-4000:]
+    store = Store.from_config({"root": str(root)})
+    return folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sigkill_inside_stage_then_resume_equals_uninterrupted(server, assets, tmp_path, stage,
+                                                               reference_checksum):
+    """A run SIGKILLed inside `stage` in step 2 (its files written, its manifest not), then
+    resumed (`stagerl resume`, or `stagerl train` again with the same arguments): the complete
+    stages are not re-run (manifest times unchanged, shown as Cached), and the final weights equal
+    the uninterrupted run's."""
+    i = STAGES.index(stage)
     root = tmp_path / "runs"
-    killed = stagerl(server, ["train", "--experiment", "r", *tiny_overrides(assets, root)],
-                     fault="update:before_manifest@2")
+    args = ["train", "--experiment", "f", *tiny_overrides(assets, root)]
+    killed = stagerl(server, args, fault=f"{stage}:before_manifest@2")
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
-    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "r")
+    assert f"SIGKILL at {stage}:before_manifest (step 2)" in killed.stdout
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "f")
     before = manifest_times(store, layout)
-    assert before[(2, "update")] is None and before[(2, "advantage")]
-    resumed = stagerl(server, ["resume", "r", "--root", str(root)])
+    assert all(before[(1, s)] for s in STAGES) and store.exists(layout.weights(1))
+    assert [before[(2, s)] is not None for s in STAGES] == [j < i for j in range(5)]
+    assert store.exists(layout.artifact(2, stage))  # killed inside it: written, not committed
+    again = ["resume", "f", "--root", str(root)] if i % 2 == 0 else args
+    resumed = stagerl(server, again)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     after = manifest_times(store, layout)
     assert all(after[k] == v for k, v in before.items() if v is not None) and all(after.values())
-    assert folder_manifest(store, layout.weights(2))["checksum"] == \
-        folder_manifest(ref_store, ref_layout.weights(2))["checksum"]
+    assert ("Cached" in resumed.stdout) == (i > 0)  # step 2's complete stages: skipped
+    assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
 
 
-# ---- resume --------------------------------------------------------------------------------
+# ---- multi-pool mode and the retry policy (toy stages) -------------------------------------
 @pytest.fixture(scope="module")
 def stage_pools(server):
     """Process pools `inference` and `training` with a worker each, and the rl-stage/rollout and
@@ -241,41 +279,22 @@ def stage_pools(server):
     server.cli("deploy", "--name", "rollout", "--name", "update", cwd=REPO)
 
 
-def test_sigkill_inside_each_stage_then_resume(server, stage_pools, assets, tmp_path):
-    """For each stage in turn: SIGKILL inside it in step 2 (its files written, its manifest not),
-    then resume — each resume is itself killed in the next stage, the last one finishes. Complete
-    stages are never re-run (manifest times unchanged), and the final weights equal those of an
-    uninterrupted reference run. The reference runs in multi-pool mode (orchestration.mode=
-    deployments: rollout and update as deployments on the inference and training pools) and
-    survives an injected storage error in reward (retried)."""
-    ref_root, root = tmp_path / "ref", tmp_path / "runs"
-    ref = stagerl(server, ["train", "--experiment", "x", *tiny_overrides(assets, ref_root),
+def test_multi_pool_step_runs_stages_on_two_pools_and_retries_storage_errors(
+        server, stage_pools, assets, tmp_path):
+    """orchestration.mode=deployments: one step whose rollout and update run as deployments on
+    the inference and training pools' workers (the other stages in the flow's process); an
+    injected storage error in reward is retried and the step completes."""
+    root = tmp_path / "runs"
+    run = stagerl(server, ["train", "--experiment", "pools", *tiny_overrides(assets, root, 1),
                            "orchestration.mode=deployments"], toy=True,
                   fault="reward:start:storage@1")
-    assert ref.returncode == 0, ref.stdout[-4000:]
-    assert "injected storage error" in ref.stdout and "Retry 1/" in ref.stdout
-    ref_store = Store.from_config({"root": str(ref_root)})
-    pid = {s: read_manifest(ref_store, RunLayout(PROJECT, "x"), 2, s)["pid"] for s in STAGES}
-    assert pid["rollout"] != pid["reward"] != pid["update"]  # the pools' workers ran them
-    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "x")
-    args = ["train", "--experiment", "x", *tiny_overrides(assets, root)]
-    for i, stage in enumerate(STAGES):
-        before = manifest_times(store, layout)
-        res = stagerl(server, args if i == 0 else ["resume", "x", "--root", str(root)], toy=True,
-                      fault=f"{stage}:before_manifest@2")
-        assert res.returncode == -signal.SIGKILL, (stage, res.stdout[-3000:])
-        after = manifest_times(store, layout)
-        assert all(after[(1, s)] for s in STAGES) and after[(2, stage)] is None
-        assert all(after[k] == v for k, v in before.items() if v is not None), stage
-        assert [after[(2, s)] is not None for s in STAGES] == [s < i for s in range(5)]
-        assert ("Cached" in res.stdout) == (i > 1), stage  # step 2 stages completed earlier: Cached
-    before = manifest_times(store, layout)
-    final = stagerl(server, ["resume", "x", "--root", str(root)], toy=True)
-    assert final.returncode == 0, final.stdout[-4000:]
-    after = manifest_times(store, layout)
-    assert all(after[k] == v for k, v in before.items() if v is not None) and all(after.values())
-    assert folder_manifest(store, layout.weights(2))["checksum"] == \
-        folder_manifest(ref_store, layout.weights(2))["checksum"]
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert "injected storage error" in run.stdout and "Retry 1/" in run.stdout
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "pools")
+    pid = {s: read_manifest(store, layout, 1, s)["pid"] for s in STAGES}
+    assert len({pid["rollout"], pid["reward"], pid["update"]}) == 3  # three processes
+    assert pid["reward"] == pid["advantage"] == pid["logprob"]  # the flow's own process
+    assert store.exists(layout.weights(1))
 
 
 def test_stage_deployment_on_the_wrong_pool_is_refused(server, stage_pools, assets, tmp_path):
