@@ -4,6 +4,8 @@
     response_length_step{K:06d}.png      histogram of response lengths of step K
     rank_load_step{K:06d}.png            real and padded tokens per update rank
     microbatch_tokens_step{K:06d}.png    tokens of each micro-batch against the token budget
+    microbatch_tokens_logprob_{role}_step{K:06d}.png   the same for the logprob stage's forwards
+                                         (actor, ref, critic), from update/microbatches.parquet
 Every axis gets an x and a y label; `save` refuses a figure with an unlabelled axis."""
 from __future__ import annotations
 
@@ -109,12 +111,33 @@ def token_budget(view):
     return (int(budget), f"token budget ppo_max_token_len_per_gpu={budget}") if budget else (None, None)
 
 
-def microbatch_tokens(view, step: int):
+def logprob_token_budget(view, step: int, role: str):
+    """(budget, label) of a logprob role's micro-batches (the budget its manifest's loads record
+    when they were token-budget micro-batches), else (None, None)."""
+    from stages.logprob import BUDGET_KEYS
+
+    name = role.split("/", 1)[1]
+    loads = (view.stage_extra(step, "logprob").get("loads") or {}).get(name) or [{}]
+    budget = loads[0].get("token_budget")
+    return (int(budget), f"token budget {BUDGET_KEYS.get(name, 'of ' + name)}={budget}") if budget else (None, None)
+
+
+def logprob_roles(table) -> list:
+    """The logprob roles (logprob/actor, ...) whose micro-batches the update stage recorded."""
+    roles = table.column("role").to_pylist() if "role" in table.schema.names else []
+    return sorted({r for r in roles if r and r.startswith("logprob/")})
+
+
+def microbatch_tokens(view, step: int, role: str = "actor"):
+    """Tokens of each micro-batch against the budget: the actor's update (epoch 0), or a logprob
+    role's forward passes (role "logprob/actor", "logprob/ref", "logprob/critic")."""
     plt = _pyplot()
     from flows.inspect_lib import actor_pass
 
-    mbs = sorted(actor_pass(view.table(step, "update")),
-                 key=lambda r: (r["rank"], r.get("mini_batch") or 0, r["micro_batch"]))
+    table = view.table(step, "update")
+    chosen = (actor_pass(table) if role == "actor"
+              else [r for r in table.to_pylist() if r.get("role") == role])
+    mbs = sorted(chosen, key=lambda r: (r["rank"], r.get("mini_batch") or 0, r["micro_batch"]))
     fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(mbs)), 3.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     xs = list(range(len(mbs)))
@@ -122,14 +145,14 @@ def microbatch_tokens(view, step: int):
            label="padded tokens")
     ax.bar(xs, [m["real_tokens"] for m in mbs],
            color=[colors[m["rank"] % len(colors)] for m in mbs], label="real tokens (colour: rank)")
-    budget, label = token_budget(view)
+    budget, label = token_budget(view) if role == "actor" else logprob_token_budget(view, step, role)
     if budget:
         ax.axhline(budget, color="tab:red", linestyle="--", label=label)
     ax.set_xticks(xs)
     ax.set_xticklabels([f"r{m['rank']}.{m['micro_batch']}" for m in mbs], rotation=90, fontsize=7)
     ax.set_xlabel("micro-batch (rank.index)")
     ax.set_ylabel("tokens")
-    ax.set_title(f"step {step}: actor tokens per micro-batch (epoch 0)"
+    ax.set_title(f"step {step}: {role} tokens per micro-batch" + (" (epoch 0)" if role == "actor" else "")
                  + ("" if budget else " (static micro-batches: no token budget)"))
     ax.legend(fontsize=8)
     return fig
@@ -151,5 +174,8 @@ def make_plots(view, steps=None) -> list:
             out.append(save(view, rank_load(view, step), f"rank_load_step{step:06d}.png"))
             out.append(save(view, microbatch_tokens(view, step),
                             f"microbatch_tokens_step{step:06d}.png"))
+            for role in logprob_roles(view.table(step, "update")):
+                out.append(save(view, microbatch_tokens(view, step, role),
+                                f"microbatch_tokens_{role.replace('/', '_')}_step{step:06d}.png"))
     return out
 

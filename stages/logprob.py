@@ -15,7 +15,10 @@
    - ref (plan["ref"] not None): ctx.reference_weights(), same temperature -> ref_log_probs
    - critic (plan["critic"] not None): critic.model.path at step 1, the store's
      weights/critic_step_{k-1} later -> values
-3. Each rank prints its load line per role; loads go to the manifest extra["loads"].
+3. Each rank prints its load line per role; loads go to the manifest extra["loads"] and its
+   micro-batches (rows, real and padded tokens) to extra["micro_batches"][role][rank], which the
+   update stage adds to microbatches.parquet as role "logprob/<role>"; a progress bar (rank 0)
+   counts micro-batches.
 The vocab projection is chunked (stages.models.response_log_probs): no full-vocab log-softmax
 of a whole micro-batch is ever held."""
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 import numpy as np
 
 from stages import batching, models
+from stages.progress import progress
 
 STAGE = "logprob"
 INPUTS = ("rollout",)
@@ -68,6 +72,8 @@ def run(ctx) -> dict:
     permutation = [row for result in results for row in result["rows"]]
     extra = {"world": world, "permutation": permutation,
              "loads": {role: [r["loads"][role] for r in results] for role in results[0]["loads"]},
+             "micro_batches": {role: [r["micro_batches"][role] for r in results]
+                               for role in results[0]["micro_batches"]},
              "rank_timings": [r["timings"] for r in results]}
     return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table,
                        fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
@@ -131,7 +137,7 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     del prompts, responses, rollout
     my_lens = [seqlens[i] for i in mine]
     prompt_lens = [len(r["prompt_ids"]) for r in rows]
-    out = {"rows": mine, "loads": {}, "timings": {}}
+    out = {"rows": mine, "loads": {}, "micro_batches": {}, "timings": {}}
     dtype = _dtype(ctx)
     temperature = float(ctx.get("actor_rollout_ref.rollout.temperature") or 1.0)
     plan = ctx.plan
@@ -144,7 +150,9 @@ def rank_main(ctx, rank: int, world: int) -> dict:
         packed = _packed(ctx, role)
         load = batching.micro_batch_load(my_lens, mbs, prompt_lengths=prompt_lens, packed=packed)
         load["packed"] = packed
+        load["token_budget"] = budget if dynamic else None
         out["loads"][role] = load
+        out["micro_batches"][role] = micro_batch_records(mine, my_lens, mbs, prompt_lens, packed)
         print(f"logprob step {ctx.step} {role} " + batching.format_load_line(rank, load), flush=True)
         if role == "critic":
             model = models.load_critic(critic_weights(ctx), dtype=dtype, device=device,
@@ -155,10 +163,12 @@ def rank_main(ctx, rank: int, world: int) -> dict:
         pad_id = _pad_id(model)
         chunks = {}
         t_fwd = time.perf_counter()
-        for mb in mbs:
-            for name, values in _forward(role, model, [rows[i] for i in mb], pad_id, device,
-                                         temperature, packed).items():
-                chunks.setdefault(name, []).append(values)
+        with progress(f"logprob {role}", total=len(mbs), unit="micro-batch", rank=rank) as bar:
+            for mb in mbs:
+                for name, values in _forward(role, model, [rows[i] for i in mb], pad_id, device,
+                                             temperature, packed).items():
+                    chunks.setdefault(name, []).append(values)
+                bar.update(1)
         out["timings"][f"{role}_forward_s"] = round(time.perf_counter() - t_fwd, 4)
         for name, per_mb in chunks.items():
             out[name] = [v.tolist() for v in batching.restore_order(per_mb, mbs)]
@@ -166,6 +176,17 @@ def rank_main(ctx, rank: int, world: int) -> dict:
         gc.collect()
         out["timings"][role] = round(time.perf_counter() - t0, 4)
     return out
+
+
+def micro_batch_records(mine, seqlens, mbs, prompt_lens, packed) -> dict:
+    """One rank's micro-batches of a role, columnar (the update stage writes them to
+    microbatches.parquet): rows (step row indices), real and padded tokens, as micro_batch_load
+    counts them (their sums are the rank's load)."""
+    loads = [batching.micro_batch_load(seqlens, [mb], prompt_lengths=prompt_lens, packed=packed)
+             for mb in mbs]
+    return {"rows": [[mine[i] for i in mb] for mb in mbs],
+            "real_tokens": [x["real_tokens"] for x in loads],
+            "padded_tokens": [x["padded_tokens"] for x in loads]}
 
 
 def _roles(plan) -> list[str]:

@@ -9,6 +9,10 @@ process prepares their inputs and commits what they wrote:
   weights/critic_step_{k:06d}                   the critic (PPO) as an HF folder
   steps/{k}/update/metrics.json, microbatches.parquet   then the manifest (written last)
 
+microbatches.parquet holds the update ranks' micro-batches (role actor / critic, every epoch) and
+the logprob stage's (role logprob/actor, logprob/ref, logprob/critic; epoch 0, no mini-batch), read
+from the logprob manifest, so one table has the step's whole batching picture.
+
 Order and resume: state and weights are uploaded before the manifest, so a crash leaves the stage
 incomplete and a rerun of step k loads train_state/step_{k-1} again (older states are pruned only
 after the manifest). The learning rate is a function of the step (stepped once per training step,
@@ -23,7 +27,7 @@ import time
 from pathlib import Path
 
 from stages.batching import format_load_line
-from storage.artifacts import write_stage
+from storage.artifacts import read_manifest, write_stage
 from storage.schemas import make_table
 from storage.weights import load_folder, save_folder, save_weights
 
@@ -79,7 +83,7 @@ def run(ctx) -> dict:
         metrics = build_metrics(results, launch_s=t2 - t1, upload_s=t3 - t2)
         for line in metrics["update/load_lines"]:
             print(line, flush=True)
-        table = microbatch_table(results)
+        table = microbatch_table(results, logprob_micro_batches(ctx))
         metrics["timing/update_s"] = time.perf_counter() - t0
         manifest = write_stage(ctx.store, ctx.layout, ctx.step, STAGE,
                                {"update/metrics.json": metrics, "update/microbatches.parquet": table},
@@ -120,8 +124,23 @@ def build_metrics(results: list, launch_s: float, upload_s: float) -> dict:
     return metrics
 
 
-def microbatch_table(results: list):
-    recs = [rec for r in results for rec in r["records"]]
+def logprob_micro_batches(ctx) -> list:
+    """The logprob stage's micro-batches of this step (its manifest extra["micro_batches"]) as
+    records of role "logprob/<role>", epoch 0, no mini-batch (none for a manifest without them)."""
+    manifest = read_manifest(ctx.store, ctx.layout, ctx.step, "logprob") or {}
+    recs = []
+    for role, per_rank in ((manifest.get("extra") or {}).get("micro_batches") or {}).items():
+        for rank, mbs in enumerate(per_rank):
+            for j, (rows, real, padded) in enumerate(zip(mbs["rows"], mbs["real_tokens"], mbs["padded_tokens"])):
+                recs.append({"role": f"logprob/{role}", "rank": rank, "epoch": 0, "mini_batch": None,
+                             "micro_batch": j, "rows": rows, "real_tokens": real, "padded_tokens": padded})
+    return recs
+
+
+def microbatch_table(results: list, extra_records=()):
+    """One row per (role, rank, epoch, mini-batch, micro-batch) of the update ranks' records, then
+    `extra_records` (the logprob stage's micro-batches)."""
+    recs = [rec for r in results for rec in r["records"]] + list(extra_records)
     cols = {k: [rec[k] for rec in recs] for k in ("rank", "micro_batch", "rows", "real_tokens", "padded_tokens",
                                                     "mini_batch", "epoch", "role")}
     return make_table("microbatches", cols)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from stages import batching, update_engine
 from stages.kl import kl_penalty
 from stages.losses import agg_loss, compute_value_loss, get_policy_loss
+from stages.progress import progress
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -174,6 +175,8 @@ class UpdateJob:
         gen = torch.Generator().manual_seed(ctx.seed("update") + (1 if role.name == "critic" else 0))
         sums: dict[str, float] = {}
         grad_norms, skipped, steps, records = [], 0, 0, []
+        bar = progress(f"update {role.name}", total=plan["ppo_epochs"] * -(-len(rows) // mini),
+                       unit="mini-batch", rank=self.rank)
         for epoch in range(plan["ppo_epochs"]):
             order = list(range(len(rows)))
             if role.cfg.get("shuffle"):
@@ -194,6 +197,8 @@ class UpdateJob:
                           f"optimizer step skipped", file=sys.stderr, flush=True)
                 else:
                     grad_norms.append(norm)
+                bar.update(1)
+        bar.close()
         return self._role_metrics(role, sums, grad_norms, skipped, steps), records
 
     def _mini_batch(self, ctx, role: Role, mini_rows, dp, epoch, mb_index, records) -> dict:

@@ -159,3 +159,14 @@ def test_missing_model_folder(tmp_path, assets):
 def test_bad_sampling_key_is_named(tmp_path, assets):
     _fails(make_ctx(tmp_path, assets, ["actor_rollout_ref.rollout.top_p=0"]), ValueError,
            "actor_rollout_ref.rollout.top_p")
+
+
+def test_progress_bar_on_stderr_when_forced(tmp_path, assets, capsys, monkeypatch):
+    monkeypatch.setenv("STAGERL_PROGRESS", "1")  # stderr is not a terminal under pytest
+    rollout.run(make_ctx(tmp_path, assets))
+    err = capsys.readouterr().err
+    # tqdm's bar over 4 prompts x n=2 rows (later redraws are rate-limited, so only the first is sure)
+    assert "\rgenerate:   0%|" in err and "| 0/8 [00:00<?, ?seq/s]" in err
+    monkeypatch.setenv("STAGERL_PROGRESS", "0")
+    rollout.run(make_ctx(tmp_path / "off", assets))
+    assert "generate:" not in capsys.readouterr().err

@@ -180,3 +180,41 @@ def test_lr_schedule_matches_verl():
     assert step_lr(optim, 2, 4, "x.optim") == 1.0  # warm-up 2 steps; step 2 is position 1
     with pytest.raises(ValueError, match="trainer.total_training_steps"):
         step_lr(optim, 1, None, "x.optim")
+
+
+def test_microbatches_parquet_holds_the_logprob_stage_micro_batches(tmp_path, model_dir, capsys):
+    """The logprob stage's micro-batches (per role, per rank) land in microbatches.parquet as role
+    logprob/<role>; their sums are the logprob manifest's per-rank loads (its load line)."""
+    from stages import logprob
+
+    ov = STATIC_3 + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4",
+                     "actor_rollout_ref.actor.use_kl_loss=true",
+                     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64",
+                     "critic.forward_micro_batch_size_per_gpu=3"]
+    ctx = make_ctx(tmp_path, model_dir, 1, ov)
+    write_inputs(ctx, critic=True)
+    lp_manifest = logprob.run(ctx)  # replaces the hand-made logprob table (one rank, in-process)
+    update.run(ctx)
+    rollout = read_table(ctx.store, ctx.layout, 1, "rollout").to_pydict()
+    seqlen = [len(p) + len(r) for p, r in zip(rollout["prompt_ids"], rollout["response_ids"])]
+    table = read_table(ctx.store, ctx.layout, 1, "update").to_pylist()
+    assert {r["role"] for r in table} == {"actor", "critic", "logprob/actor", "logprob/ref", "logprob/critic"}
+    lines = capsys.readouterr().out
+    for role in ("actor", "ref", "critic"):
+        recs = [r for r in table if r["role"] == f"logprob/{role}"]
+        assert all(r["epoch"] == 0 and r["mini_batch"] is None and r["rank"] == 0 for r in recs)
+        assert [r["micro_batch"] for r in recs] == list(range(len(recs)))
+        assert sorted(i for r in recs for i in r["rows"]) == list(range(8))
+        for r in recs:
+            assert r["real_tokens"] == sum(seqlen[i] for i in r["rows"]) <= r["padded_tokens"]
+        (load,) = lp_manifest["extra"]["loads"][role]
+        assert load["rows"] == 8 and load["micro_batches"] == len(recs)
+        assert load["real_tokens"] == sum(r["real_tokens"] for r in recs) == sum(seqlen)
+        assert load["padded_tokens"] == sum(r["padded_tokens"] for r in recs)
+        assert load["max_tokens_per_micro_batch"] == max(r["padded_tokens"] for r in recs)
+        assert f"logprob step 1 {role} rank 0: 8 rows, {len(recs)} micro-batches, {sum(seqlen):,} tokens" in lines
+    sizes = lambda role: [len(r["rows"]) for r in table if r["role"] == role]  # noqa: E731
+    assert sizes("logprob/ref") == [8] and sizes("logprob/critic") == [3, 3, 2]  # static micro-batches
+    assert all(r["real_tokens"] <= 64 for r in table if r["role"] == "logprob/actor")  # token budget
+    assert len(sizes("logprob/actor")) >= 2

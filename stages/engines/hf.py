@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from stages.engines import EngineOptions, Generation, Sampling, derive_seed, eos_token_ids, finish, replica_shares
+from stages.progress import progress
 
 
 def _generation_config(model, sampling: Sampling, eos_ids: list[int], pad_id: int):
@@ -88,7 +89,7 @@ def hf_generate(prompt_ids: list[list[int]], row_seeds: list[int], sampling: Sam
     rows_per_batch = batch_prompts * sampling.n
     results: list[Generation] = [None] * len(prompt_ids)
     t1 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), progress("generate", total=len(prompt_ids), unit="seq") as bar:
         for replica, share in enumerate(replica_shares(len(prompt_ids), sampling.n, options.num_replicas,
                                                        options.prompts_per_replica)):
             for batch, start in enumerate(range(share.start, share.stop, rows_per_batch)):
@@ -96,5 +97,6 @@ def hf_generate(prompt_ids: list[list[int]], row_seeds: list[int], sampling: Sam
                 torch.manual_seed(derive_seed(options.engine_seed, replica, batch))
                 gens = _generate_batch(model, prompt_ids[start:stop], config, sampling, eos_ids, device)
                 results[start:stop] = gens
+                bar.update(stop - start)
     options.timings["generate_s"] = round(time.perf_counter() - t1, 4)
     return results
