@@ -140,6 +140,10 @@ def response_log_probs(model, batch, temperature: float = 1.0, with_entropy: boo
     if batch.get("packed"):
         flat_h = _hidden_states(model, batch)[0, batch["pred_index"]]
         flat_t = batch["targets"]
+    elif batch.get("flat"):  # batching.collate_right: rows right-padded, response positions vary per row
+        hidden = _hidden_states(model, batch)
+        flat_h = hidden.reshape(-1, hidden.shape[-1])[batch["pred_index"]]
+        flat_t = batch["targets"]
     else:
         P, R = batch["prompt_width"], batch["response_width"]
         hidden = _hidden_states(model, batch)[:, P - 1:P + R - 1]  # predicts columns P..P+R-1
@@ -170,7 +174,7 @@ def response_log_probs(model, batch, temperature: float = 1.0, with_entropy: boo
 def _to_rows(flat, batch):
     """(bs, R) from per-position values: padded layout -> reshape and mask; packed -> scatter."""
     lengths, R = batch["response_lengths"], batch["response_width"]
-    if not batch.get("packed"):
+    if not batch.get("packed") and not batch.get("flat"):
         return torch.where(batch["response_mask"].bool(), flat.reshape(len(lengths), R), 0.0)
     rows = [torch.nn.functional.pad(v, (0, R - v.shape[0])) for v in torch.split(flat, lengths)]
     return torch.stack(rows)
@@ -184,6 +188,8 @@ def response_values(critic, batch):
                  position_ids=batch["position_ids"], use_cache=False)
     if batch.get("packed"):
         return _to_rows(out.logits[0, batch["pred_index"], 0].float(), batch)
+    if batch.get("flat"):
+        return _to_rows(out.logits[..., 0].reshape(-1)[batch["pred_index"]].float(), batch)
     P, R = batch["prompt_width"], batch["response_width"]
     values = out.logits[:, P - 1:P + R - 1, 0].float()
     return torch.where(batch["response_mask"].bool(), values, 0.0)

@@ -209,7 +209,8 @@ class UpdateJob:
             raise ValueError(f"step {ctx.step}: a {role.name} mini-batch has no response tokens on any rank")
         if plan["use_dynamic_bsz"]:
             micro = batching.padded_token_budget_micro_batches(
-                [len(r["prompt_ids"]) for r in mini_rows], resp, plan["max_token_len_per_micro_batch"])
+                [len(r["prompt_ids"]) for r in mini_rows], resp, plan["max_token_len_per_micro_batch"],
+                layout="right")
         else:
             micro = batching.static_micro_batches(len(mini_rows), plan["ppo_micro_batch_size_per_gpu"])
         agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
@@ -217,7 +218,8 @@ class UpdateJob:
         stats: dict[str, float] = {}
         for j, idx in enumerate(micro):
             part = [mini_rows[i] for i in idx]
-            batch = batching.collate(part, self.pad_id, self.device)
+            batch = (batching.collate_right if plan["use_dynamic_bsz"] else batching.collate)(
+                part, self.pad_id, self.device)
             engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
             loss, micro_stats = (self._actor_loss if role.name == "actor" else self._critic_loss)(
                 ctx, role, part, batch, agg)
@@ -226,7 +228,7 @@ class UpdateJob:
             for k, v in micro_stats.items():
                 stats[k] = stats.get(k, 0.0) + v
             stats["tokens"] = stats.get("tokens", 0.0) + tokens
-            width = batch["prompt_width"] + batch["response_width"]
+            width = batch.get("sequence_width") or batch["prompt_width"] + batch["response_width"]
             records.append({"role": role.name, "rank": self.rank, "epoch": epoch, "mini_batch": mb_index,
                             "micro_batch": j, "rows": [r["index"] for r in part],
                             "real_tokens": int(batch["attention_mask"].sum()),

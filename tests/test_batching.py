@@ -156,3 +156,15 @@ def test_pack_layout():
     assert (b["response_lengths"], b["response_width"]) == ([2, 4], 4)
     load = micro_batch_load([5, 5], [[0, 1]], packed=True)
     assert (load["real_tokens"], load["padded_tokens"], load["padding_fraction"]) == (10, 10, 0.0)
+
+
+def test_right_layout_budget_groups_rows_of_similar_width():
+    # widths 10,10,10,100,100 (prompt 5 + response), budget 300: the short rows share one micro-batch
+    # (3 x 10 padded tokens) and the long ones another (2 x 100 <= 300); nothing is padded
+    prompts, responses = [5, 5, 5, 5, 5], [95, 5, 5, 95, 5]
+    parts = batching.padded_token_budget_micro_batches(prompts, responses, 300, all_reduce=False, layout="right")
+    assert sorted(map(sorted, parts)) == [[0, 3], [1, 2, 4]]
+    load = batching.micro_batch_load([p + r for p, r in zip(prompts, responses)], parts)
+    assert load["padding_fraction"] == 0.0 and load["padded_tokens"] == 230
+    with pytest.raises(ValueError, match="below the longest sequence"):
+        batching.padded_token_budget_micro_batches(prompts, responses, 99, all_reduce=False, layout="right")

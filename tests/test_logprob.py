@@ -198,3 +198,19 @@ def test_vocab_projection_runs_in_chunks(model_dir, rows):
     with torch.no_grad():
         full, _ = models.full_vocab_log_probs(model, batch)
     assert torch.allclose(chunked, full, atol=TOL)
+
+
+def test_right_padded_layout_equals_the_full_batch(model_dir, rows, full_batch):
+    """batching.collate_right (the update's token-budget layout: prompt + response contiguous,
+    right-padded) gives the same log-probs, entropy and values as the reference forward, with
+    padding only up to the longest row."""
+    model, critic = models.load_policy(model_dir), models.load_critic(model_dir, seed=1)
+    batch = batching.collate_right(rows, pad_id=0)
+    assert batch["input_ids"].shape[1] == max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+    with torch.no_grad():
+        logp, entropy = models.response_log_probs(model, batch, with_entropy=True, chunk_size=7)
+        values = models.response_values(critic, batch)
+    lengths = batch["response_lengths"]
+    assert_close(batching.unpad(logp, lengths), full_batch["old_log_probs"])
+    assert_close(batching.unpad(entropy, lengths), full_batch["entropy"])
+    assert_close(batching.unpad(values, lengths), full_batch["values"])
