@@ -141,75 +141,6 @@ def token_budget_micro_batches(seqlens: list[int], budget: int, group=None,
     return parts[::2][::-1] + parts[1::2]
 
 
-def padded_token_budget_micro_batches(prompt_lengths: list[int], response_lengths: list[int], budget: int,
-                                      group=None, all_reduce: bool = True, layout: str = "split") -> list[list[int]]:
-    """Token-budget micro-batches for a *padded* forward: rows sorted by length are packed greedily
-    while rows x padded width <= budget, so similar lengths share a micro-batch and padding stays
-    small. The padded width is (longest prompt + longest response) for `collate` (layout "split")
-    or the longest prompt + response for `collate_right` (layout "right": rows sorted by total
-    length and cut where padding is least, see _min_padding_groups). verl's KK grouping (token_budget_micro_batches) mixes long and short
-    rows, which costs nothing in its unpadded forward but pads heavily here. The count is
-    all-reduced MAX (every rank runs as many backward passes, as ZeRO-2/3 need) and reached by
-    halving the micro-batches with the most rows."""
-    if not prompt_lengths:
-        return []
-    widths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
-    longest = max(widths)
-    if budget is None or budget < longest:
-        raise ValueError(f"token budget max_token_len_per_gpu={budget} is below the longest sequence "
-                         f"({longest} tokens, row {widths.index(longest)}): a sequence is never split")
-    if layout == "right":
-        parts = _min_padding_groups(widths, budget)
-    else:
-        order = sorted(range(len(widths)), key=lambda i: (response_lengths[i], prompt_lengths[i], i))
-        parts = _greedy_groups(order, prompt_lengths, response_lengths, budget)
-    target = _max_over_group(len(parts), group, all_reduce)
-    if target > len(widths):
-        raise ValueError(f"another rank needs {target} micro-batches but this rank has only {len(widths)} rows")
-    while len(parts) < target:
-        k = max(range(len(parts)), key=lambda j: len(parts[j]))
-        big = parts.pop(k)
-        half = len(big) // 2
-        parts[k:k] = [big[:half], big[half:]]
-    return parts
-
-
-def _greedy_groups(order, prompt_lengths, response_lengths, budget) -> list[list[int]]:
-    """Rows in `order` packed while rows x (longest prompt + longest response) <= budget."""
-    parts, cur, max_p, max_r = [], [], 0, 0
-    for i in order:
-        p, r = max(max_p, prompt_lengths[i]), max(max_r, response_lengths[i])
-        if cur and (len(cur) + 1) * (p + r) > budget:
-            parts.append(cur)
-            cur, p, r = [], prompt_lengths[i], response_lengths[i]
-        cur.append(i)
-        max_p, max_r = p, r
-    parts.append(cur)
-    return parts
-
-
-def _min_padding_groups(widths, budget) -> list[list[int]]:
-    """Rows sorted by width, cut into consecutive groups (each within the budget when padded to its
-    widest row) minimising padded tokens + a fixed cost per micro-batch (budget / 16 tokens, so a
-    micro-batch is not split for a few tokens of padding): an O(n^2) dynamic programme."""
-    order = sorted(range(len(widths)), key=lambda i: (widths[i], i))
-    w = [widths[i] for i in order]
-    cost_per_group = budget / 16
-    best, cut = [0.0] + [float("inf")] * len(w), [0] * (len(w) + 1)
-    for j in range(1, len(w) + 1):
-        for i in range(j - 1, -1, -1):
-            if (j - i) * w[j - 1] > budget:
-                break
-            c = best[i] + (j - i) * w[j - 1] + cost_per_group
-            if c < best[j]:
-                best[j], cut[j] = c, i
-    parts, j = [], len(w)
-    while j > 0:
-        parts.append(order[cut[j]:j])
-        j = cut[j]
-    return parts[::-1]
-
-
 def _max_over_group(value: int, group, all_reduce: bool) -> int:
     try:
         import torch.distributed as dist
@@ -269,42 +200,6 @@ def collate(rows: list[dict], pad_id: int, device="cpu") -> dict:
     batch = {k: v.to(device) for k, v in batch.items()}
     batch.update(prompt_width=P, response_width=R,
                  response_lengths=[len(r["response_ids"]) for r in rows])
-    return batch
-
-
-def collate_right(rows: list[dict], pad_id: int, device="cpu") -> dict:
-    """Each row's prompt + response contiguous from column 0, right-padded to the longest row: a
-    micro-batch of rows with similar total lengths (token-budget micro-batches sorted by length)
-    then carries almost no padding, whatever its prompt lengths. `pred_index` holds the flat
-    positions (into bs x width) whose hidden states predict each response token; `response_mask`
-    (bs, R) is laid out as in `collate`, so per-token columns line up the same way."""
-    import torch
-
-    if not rows:
-        raise ValueError("collate_right needs at least one row")
-    width = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
-    lengths = [len(r["response_ids"]) for r in rows]
-    R = max(max(lengths), 1)
-    input_ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    response_mask = torch.zeros((len(rows), R), dtype=torch.long)
-    pred, targets = [], []
-    for n, r in enumerate(rows):
-        p, resp = list(r["prompt_ids"]), list(r["response_ids"])
-        if not p:
-            raise ValueError(f"row {n} has an empty prompt_ids")
-        seq = p + resp
-        input_ids[n, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[n, :len(seq)] = 1
-        response_mask[n, :len(resp)] = 1
-        pred += range(n * width + len(p) - 1, n * width + len(p) - 1 + len(resp))
-        targets += resp
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-             "response_mask": response_mask, "pred_index": torch.tensor(pred, dtype=torch.long),
-             "targets": torch.tensor(targets, dtype=torch.long)}
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch.update(flat=True, response_lengths=lengths, response_width=R, sequence_width=width)
     return batch
 
 

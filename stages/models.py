@@ -133,14 +133,15 @@ def response_log_probs(model, batch, temperature: float = 1.0, with_entropy: boo
     divided by `temperature`. The vocab projection runs over at most `chunk_size` positions at a
     time (never a full-vocab log-softmax of the whole micro-batch); with gradients each chunk is
     recomputed in backward (activation checkpointing), so memory follows the chunk. Padded
-    response positions are 0. `batch` from batching.collate (padded) or batching.pack (packed
-    rows, no padding: attention stays within each row via restarting position_ids)."""
+    response positions are 0. `batch` from batching.collate (padded), batching.pack (packed
+    rows, no padding: attention stays within each row via restarting position_ids) or
+    binning.collate_bins (several sequences per row, the same way)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if batch.get("packed"):
         flat_h = _hidden_states(model, batch)[0, batch["pred_index"]]
         flat_t = batch["targets"]
-    elif batch.get("flat"):  # batching.collate_right: rows right-padded, response positions vary per row
+    elif batch.get("flat"):  # binning.collate_bins: sequences back to back in rows, positions vary
         hidden = _hidden_states(model, batch)
         flat_h = hidden.reshape(-1, hidden.shape[-1])[batch["pred_index"]]
         flat_t = batch["targets"]

@@ -19,9 +19,10 @@ Exact loss scaling (token-mean and every other loss_agg_mode):
 Non-finite gradient norm: ZeRO's step detects it (overflow check, bf16 check_grad_overflow on),
 discards the gradients and skips the update; it is counted in actor/skipped_steps with a warning.
 All ranks run the same number of backward passes (token-budget counts are all-reduced MAX), as
-ZeRO-2/3 reduce gradients inside backward. Token-budget micro-batches are packed by length
-(batching.padded_token_budget_micro_batches), not with verl's KK grouping: our forward is padded
-and KK mixes long and short rows (bench/update.py); the loss is exact for any grouping.
+ZeRO-2/3 reduce gradients inside backward. Token-budget micro-batches put several whole sequences
+in each tensor row (stages.binning: first-fit-decreasing bins, block-diagonal attention), not
+verl's KK grouping of padded rows, which mixes long and short rows and pads heavily in a padded
+forward (bench/update.py); the loss is exact for any grouping.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stages import batching, update_engine
+from stages import batching, binning, update_engine
 from stages.kl import kl_penalty
 from stages.losses import agg_loss, compute_value_loss, get_policy_loss
 from stages.progress import progress
@@ -207,19 +208,23 @@ class UpdateJob:
         global_tokens, global_rows = _all_sum([sum(resp), sum(1 for n in resp if n > 0)], "cpu")
         if global_tokens <= 0:
             raise ValueError(f"step {ctx.step}: a {role.name} mini-batch has no response tokens on any rank")
-        if plan["use_dynamic_bsz"]:
-            micro = batching.padded_token_budget_micro_batches(
-                [len(r["prompt_ids"]) for r in mini_rows], resp, plan["max_token_len_per_micro_batch"],
-                layout="right")
+        if plan["use_dynamic_bsz"]:  # bins of whole sequences, budget // longest bins each
+            micro = binning.binned_micro_batches(
+                [len(r["prompt_ids"]) + n for r, n in zip(mini_rows, resp)],
+                plan["max_token_len_per_micro_batch"])
         else:
             micro = batching.static_micro_batches(len(mini_rows), plan["ppo_micro_batch_size_per_gpu"])
         agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
                "loss_scale_factor": ctx.get("data.max_response_length")}
         stats: dict[str, float] = {}
         for j, idx in enumerate(micro):
-            part = [mini_rows[i] for i in idx]
-            batch = (batching.collate_right if plan["use_dynamic_bsz"] else batching.collate)(
-                part, self.pad_id, self.device)
+            if plan["use_dynamic_bsz"]:
+                part = [mini_rows[i] for i in binning.rows_of(idx)]
+                batch = binning.collate_bins([[mini_rows[i] for i in b] for b in idx], self.pad_id,
+                                             self.device)
+            else:
+                part = [mini_rows[i] for i in idx]
+                batch = batching.collate(part, self.pad_id, self.device)
             engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
             loss, micro_stats = (self._actor_loss if role.name == "actor" else self._critic_loss)(
                 ctx, role, part, batch, agg)
@@ -228,11 +233,11 @@ class UpdateJob:
             for k, v in micro_stats.items():
                 stats[k] = stats.get(k, 0.0) + v
             stats["tokens"] = stats.get("tokens", 0.0) + tokens
-            width = batch.get("sequence_width") or batch["prompt_width"] + batch["response_width"]
+            padded = batch.get("padded_tokens") or (batch["prompt_width"] + batch["response_width"]) * len(part)
             records.append({"role": role.name, "rank": self.rank, "epoch": epoch, "mini_batch": mb_index,
                             "micro_batch": j, "rows": [r["index"] for r in part],
-                            "real_tokens": int(batch["attention_mask"].sum()),
-                            "padded_tokens": int(width * len(part))})
+                            "real_tokens": int(batch.get("real_tokens") or batch["attention_mask"].sum()),
+                            "padded_tokens": int(padded)})
         return stats
 
     def _per_token(self, part, key, width):

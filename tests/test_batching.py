@@ -158,13 +158,39 @@ def test_pack_layout():
     assert (load["real_tokens"], load["padded_tokens"], load["padding_fraction"]) == (10, 10, 0.0)
 
 
-def test_right_layout_budget_groups_rows_of_similar_width():
-    # widths 10,10,10,100,100 (prompt 5 + response), budget 300: the short rows share one micro-batch
-    # (3 x 10 padded tokens) and the long ones another (2 x 100 <= 300); nothing is padded
-    prompts, responses = [5, 5, 5, 5, 5], [95, 5, 5, 95, 5]
-    parts = batching.padded_token_budget_micro_batches(prompts, responses, 300, all_reduce=False, layout="right")
-    assert sorted(map(sorted, parts)) == [[0, 3], [1, 2, 4]]
-    load = batching.micro_batch_load([p + r for p, r in zip(prompts, responses)], parts)
-    assert load["padding_fraction"] == 0.0 and load["padded_tokens"] == 230
+def test_bins_longest_first_and_micro_batches_within_budget():
+    from stages.binning import binned_micro_batches
+
+    # lengths (by index) 10, 60, 100, 30, 50, 10, 40; budget 250. By hand, longest first:
+    # micro 1: width 100, 250 // 100 = 2 bins: 100 -> bin0 (full), 60 -> bin1 (40 left),
+    #   50 does not fit (no third bin), 40 -> bin1 (full); 30, 10, 10 wait.
+    # micro 2: width max(50, 100 // 2) = 50, 5 bins: 50 -> bin0 (full), 30 -> bin1, 10, 10 -> bin1.
+    lengths = [10, 60, 100, 30, 50, 10, 40]
+    micro = binned_micro_batches(lengths, 250, all_reduce=False)
+    assert micro == [[[2], [1, 6]], [[4], [3, 0, 5]]]
+    # 2 x 100 + 2 x 50 padded tokens hold all 300 real ones
+    assert sum(max(sum(lengths[i] for i in b) for b in mb) * len(mb) for mb in micro) == 300
+    # 200 // 100 = 2 bins of width 100 take everything: 100 | 60 + 20 + 20
+    assert binned_micro_batches([100, 60, 20, 20], 200, all_reduce=False) == [[[0], [1, 2, 3]]]
+    # widths never drop below half the longest: after 100, the rows are max(20, 100 // 2) = 50
+    # wide, so 20 and 20 share one instead of each padding a row of their own
+    assert binned_micro_batches([100, 20, 20], 100, all_reduce=False) == [[[0]], [[1, 2]]]
     with pytest.raises(ValueError, match="below the longest sequence"):
-        batching.padded_token_budget_micro_batches(prompts, responses, 99, all_reduce=False, layout="right")
+        binned_micro_batches(lengths, 99, all_reduce=False)
+
+
+def test_bins_split_to_reach_another_ranks_count():
+    from stages.binning import binned_micro_batches
+
+    # lengths 5, 2, 2: bins [0] and [1, 2] (width 5), budget 10 -> one micro-batch of both bins.
+    # Another rank needs 3: split the bins into two micro-batches, then the bin [1, 2] into two bins
+    import stages.batching as b
+
+    original = b._max_over_group
+    try:
+        b._max_over_group = lambda value, group, all_reduce: 3
+        micro = binned_micro_batches([5, 2, 2], 10)
+    finally:
+        b._max_over_group = original
+    assert micro == [[[0]], [[1]], [[2]]]
+

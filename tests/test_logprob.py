@@ -200,17 +200,26 @@ def test_vocab_projection_runs_in_chunks(model_dir, rows):
     assert torch.allclose(chunked, full, atol=TOL)
 
 
-def test_right_padded_layout_equals_the_full_batch(model_dir, rows, full_batch):
-    """batching.collate_right (the update's token-budget layout: prompt + response contiguous,
-    right-padded) gives the same log-probs, entropy and values as the reference forward, with
-    padding only up to the longest row."""
+def test_binned_layout_equals_the_full_batch(model_dir, rows, full_batch):
+    """binning.collate_bins (the update's token-budget layout: several whole sequences per tensor
+    row, positions restarting per sequence) gives the same log-probs, entropy and values as the
+    reference forward; bins do hold more than one sequence here."""
+    from stages.binning import collate_bins, rows_of
+
     model, critic = models.load_policy(model_dir), models.load_critic(model_dir, seed=1)
-    batch = batching.collate_right(rows, pad_id=0)
-    assert batch["input_ids"].shape[1] == max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
-    with torch.no_grad():
-        logp, entropy = models.response_log_probs(model, batch, with_entropy=True, chunk_size=7)
-        values = models.response_values(critic, batch)
-    lengths = batch["response_lengths"]
-    assert_close(batching.unpad(logp, lengths), full_batch["old_log_probs"])
-    assert_close(batching.unpad(entropy, lengths), full_batch["entropy"])
-    assert_close(batching.unpad(values, lengths), full_batch["values"])
+    assert len(rows) == 8
+    micro = [[[0, 1, 2], [3]], [[4, 5], [6, 7]]]  # micro-batches of bins of row indices
+    got = {"old_log_probs": {}, "entropy": {}, "values": {}}
+    for mb in micro:
+        batch = collate_bins([[rows[i] for i in b] for b in mb], pad_id=0)
+        assert batch["padded_tokens"] == batch["input_ids"].numel()
+        assert batch["real_tokens"] == sum(len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"])
+                                           for i in rows_of(mb))
+        with torch.no_grad():
+            logp, entropy = models.response_log_probs(model, batch, with_entropy=True, chunk_size=7)
+            values = models.response_values(critic, batch)
+        n = batch["response_lengths"]
+        for key, t in (("old_log_probs", logp), ("entropy", entropy), ("values", values)):
+            got[key].update(zip(rows_of(mb), batching.unpad(t, n)))
+    for key in got:
+        assert_close([got[key][i] for i in range(len(rows))], full_batch[key])
