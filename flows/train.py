@@ -14,7 +14,7 @@ import time
 from prefect import flow
 
 from flows.step import (check_stage_deployments, log_line, logger, make_context, register_run,
-                        rl_step, step_is_complete, step_metrics)
+                        run_step_subflow, step_is_complete, step_metrics, wait_published)
 from storage.artifacts import fingerprint, read_run_json, write_run_json
 from storage.layout import RunLayout
 from storage.lock import ExperimentLock
@@ -229,7 +229,8 @@ def validate(run_uri: str, step: int, extra: dict) -> dict | None:
 @flow(name="rl-train", log_prints=True)
 def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: str | None = None,
           force_lock: bool = False) -> dict:
-    """Train (or resume) one experiment: steps over epochs, each a `rl-step` subflow."""
+    """Train (or resume) one experiment: steps over epochs, each a `rl-step` subflow
+    (flows.step.run_step_subflow)."""
     cfg, plan = resolve(config, overrides, experiment_name)
     store = Store.from_config(cfg["storage"])
     layout = RunLayout.from_config(cfg)
@@ -259,6 +260,7 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
             _log_validation(sinks, 0, validate(run_uri, 0, step_extra(dataset, 1, total)))
         pool = start_rank_pool(cfg, plan)
         for step in range(1, total + 1):
+            t0 = time.perf_counter()  # timing_s/step: the whole iteration except validation
             lock.refresh()
             extra = step_extra(dataset, step, total)
             ctx = make_context(run_uri, step, extra)
@@ -267,18 +269,18 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
                 last = step_metrics(ctx)
                 sinks.log(step, last)
                 continue
-            t0 = time.perf_counter()
-            summaries = rl_step(run_uri, step, extra)
+            summaries = run_step_subflow(run_uri, step, extra)
             last = step_metrics(ctx, summaries)
-            last["timing_s/step"] = round(time.perf_counter() - t0, 3)
-            sinks.log(step, last)
             ran.append(step)
             prune_weights(store, layout, step, cfg)
+            last["timing_s/step"] = round(time.perf_counter() - t0, 3)
+            sinks.log(step, last)
             if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
                 _log_validation(sinks, step, validate(run_uri, step, extra))
         return {"run": run_uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
                 "last_metrics": last}
     finally:
+        wait_published()
         if pool is not None:
             pool.close()
         sinks.close()

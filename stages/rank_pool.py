@@ -209,7 +209,7 @@ class RankPool:
                 raise RuntimeError(f"{module} on the rank pool ({self.world} ranks): {why}; the pool was "
                                    f"stopped and restarts on the next job.\n{detail}"
                                    f"--- pool stderr tail ---\n{self._stderr_tail()}")
-            time.sleep(0.01)
+            time.sleep(0.005)
         if any(e.exists() for e in errors):
             raise RuntimeError(f"{module} failed on the rank pool ({self.world} ranks).\n{self._error_detail(errors)}")
         return [json.loads(res.read_text()) for res in results]
