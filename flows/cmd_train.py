@@ -1,9 +1,12 @@
 """`stagerl train [--config NAME] [key=value ...]` and `stagerl resume EXPERIMENT [--root URL]`:
 both run the `rl-train` Prefect flow (the same one the rl-train/* deployments run).
 
-Without PREFECT_API_URL the flow runs against a temporary local Prefect server whose home is a
-scratch folder (the store's .cache/prefect for a local store, else ./.cache/prefect) with
-analytics off, so training works offline."""
+Without PREFECT_API_URL the flow runs against a local `prefect server start` child (SQLite in a
+scratch PREFECT_HOME: the store's .cache/prefect for a local store, else ./.cache/prefect;
+analytics off) that stops when the command ends and also when it is killed (flows.prefect_server:
+PR_SET_PDEATHSIG), so training works offline and leaves no server behind."""
+import contextlib
+import importlib
 import os
 from pathlib import Path
 
@@ -28,7 +31,9 @@ def register(subparsers) -> None:
 
 
 def prefect_env(storage_root: str | None) -> None:
-    """Offline defaults when no Prefect server is configured (set before prefect is imported)."""
+    """Offline defaults when no Prefect server is configured (set before prefect is imported).
+    Alone (bench/step.py) Prefect then starts its own temporary server for the flow; `stagerl
+    train` starts one that dies with it instead (local_prefect_server)."""
     if os.environ.get("PREFECT_API_URL"):
         return
     root = storage_root or "./runs"
@@ -37,6 +42,50 @@ def prefect_env(storage_root: str | None) -> None:
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+@contextlib.contextmanager
+def local_prefect_server():
+    """Without PREFECT_API_URL: a `prefect server start` child in PREFECT_HOME (see prefect_env)
+    that dies with this process, as PREFECT_API_URL while the block runs. Its URL is set before
+    prefect is imported (Prefect reads its settings at import), and the flow modules (torch,
+    transformers) are imported while the server starts."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield None
+        return
+    from flows.prefect_server import local_server
+
+    timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"))
+    with local_server(os.environ["PREFECT_HOME"]) as server:
+        os.environ["PREFECT_API_URL"] = server.api_url
+        try:
+            importlib.import_module("flows.train")
+            from prefect.settings import PREFECT_API_URL, temporary_settings
+
+            server.wait_healthy(timeout)
+            print(f"Prefect: local server {server.api_url} up in {server.started_s:.1f}s "
+                  f"(home {os.environ['PREFECT_HOME']}; set PREFECT_API_URL to use another)",
+                  flush=True)
+            with temporary_settings({PREFECT_API_URL: server.api_url}):  # if prefect was imported
+                try:
+                    yield server
+                finally:
+                    drain_prefect_senders()
+        finally:
+            os.environ.pop("PREFECT_API_URL", None)
+
+
+def drain_prefect_senders(timeout: float = 10.0) -> None:
+    """Send the logs and events Prefect still holds before the server stops (else its senders
+    retry against a closed port for a minute at exit)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for sender in (APILogWorker, EventsWorker):
+        try:
+            sender.drain_all(timeout=timeout)
+        except Exception as exc:  # never hide the run's own outcome
+            print(f"warning: could not flush Prefect {sender.__name__}: {exc}")
 
 
 def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int:
@@ -52,17 +101,18 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
         print(f"error: {exc}")
         return 2
     prefect_env(cfg["storage"]["root"])
-    from flows.train import train
+    with local_prefect_server():
+        from flows.train import train
 
-    state = train(config=config, overrides=list(overrides), experiment_name=experiment,
-                  force_lock=force_lock, return_state=True)
-    if not state.is_completed():
-        try:
-            state.result()
-        except Exception as exc:
-            print(f"error: training failed: {type(exc).__name__}: {exc}")
-        return 1
-    return 0
+        state = train(config=config, overrides=list(overrides), experiment_name=experiment,
+                      force_lock=force_lock, return_state=True)
+        if not state.is_completed():
+            try:
+                state.result()
+            except Exception as exc:
+                print(f"error: training failed: {type(exc).__name__}: {exc}")
+            return 1
+        return 0
 
 
 def run_train(args) -> int:

@@ -32,6 +32,20 @@ CONFIG_KEYS = ("data", "actor_rollout_ref.model.path", "actor_rollout_ref.rollou
 ROLLOUT = "actor_rollout_ref.rollout"
 
 
+def stage_fingerprint(ctx) -> str:
+    """ctx.fingerprint plus the fingerprint of the policy sampled: step k-1's update manifest
+    (step 1 after a warm start: the warm start's), so when step k-1 is re-run with a different
+    outcome (e.g. the reward file changed) step k re-runs from its rollout on."""
+    from storage.artifacts import fingerprint as hash_obj, read_manifest
+
+    base = ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS)
+    if ctx.step <= 1 and not ctx.get("warmstart.enable"):
+        return base  # the initial model: its path is in CONFIG_KEYS
+    step, stage = (ctx.step - 1, "update") if ctx.step > 1 else (0, "warmstart")
+    manifest = read_manifest(ctx.store, ctx.layout, step, stage) or {}
+    return hash_obj({"base": base, "policy": manifest.get("fingerprint")})
+
+
 def _engine_options(ctx, model_dir) -> EngineOptions:
     plan_rollout = (ctx.plan or {}).get("rollout") or {}
     max_len = (ctx.plan or {}).get("max_seq_len") or (
@@ -144,7 +158,7 @@ def run(ctx) -> dict:
         "model_dir": str(model_dir),
     }
     return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table,
-                       fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS), inputs={},
+                       fingerprint=stage_fingerprint(ctx), inputs={},
                        timings=timings, extra=extra)
 
 

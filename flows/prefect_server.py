@@ -1,0 +1,142 @@
+"""A local `prefect server start` that dies with the process that started it.
+
+`stagerl train` without PREFECT_API_URL used to let Prefect start its temporary (ephemeral)
+uvicorn server; when stagerl was SIGKILLed that server ran on forever. `local_server()` instead
+starts `prefect server start --host 127.0.0.1 --port <free>` as a child in its own session
+(terminal signals do not reach it) that receives SIGTERM when its parent exits, however it exits
+(Linux PR_SET_PDEATHSIG), is stopped (TERM, then KILL) on a normal exit, and while it runs has
+a record `$PREFECT_HOME/stagerl-server-<parent pid>.json` ({"pid", "port", "api_url", "parent"})
+and its output in `.log` beside it (both removed on a clean stop, or by the next start once the
+parent is dead). PR_SET_PDEATHSIG fires when the parent *thread* exits: call it from the main
+thread."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PID_FILE_PREFIX = "stagerl-server-"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent_pid: int):
+    """preexec_fn: SIGTERM this child when the thread that forked it exits (prctl is looked up
+    here, before the fork, so the child only calls it)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    zero = ctypes.c_ulong(0)
+
+    def set_pdeathsig() -> None:
+        if prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM), zero, zero, zero) != 0:
+            os._exit(126)  # cannot promise to die with the parent: do not run at all
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(0)
+    return set_pdeathsig
+
+
+def pid_file(home: Path, parent_pid: int | None = None) -> Path:
+    return Path(home) / f"{PID_FILE_PREFIX}{parent_pid or os.getpid()}.json"
+
+
+def _remove_stale_files(home: Path) -> None:
+    """Records and logs left by a stagerl process that was killed (its server died with it)."""
+    for path in Path(home).glob(f"{PID_FILE_PREFIX}*.json"):
+        try:
+            os.kill(int(path.stem[len(PID_FILE_PREFIX):]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            path.with_suffix(".log").unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            pass
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class LocalServer:
+    """A started server: `api_url`, `proc`, `log`, `started_s` (seconds until /api/health
+    answered, counted from the start)."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, t0: float):
+        self.proc, self.port, self.log, self.t0 = proc, port, log, t0
+        self.api_url = f"http://127.0.0.1:{port}/api"
+        self.started_s: float | None = None
+
+    def wait_healthy(self, timeout: float = 120.0) -> "LocalServer":
+        """Block until /api/health answers (counted from the start); raises if it exits first."""
+        t0 = self.t0
+        deadline = t0 + timeout
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+                raise RuntimeError(f"`prefect server start` exited with {self.proc.returncode} "
+                                   f"before answering on {self.api_url} (log {self.log}):\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        self.started_s = round(time.perf_counter() - t0, 3)
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the local Prefect server did not answer on {self.api_url} within "
+                           f"{timeout:.0f}s (log {self.log}); set PREFECT_API_URL to use a running "
+                           f"server instead")
+
+
+@contextlib.contextmanager
+def local_server(home: str | os.PathLike):
+    """Start `prefect server start` on a free port with PREFECT_HOME=home (analytics and UI off)
+    and yield its LocalServer at once (its api_url is known before it answers: call
+    `wait_healthy()`); stop it on exit. Sets nothing in os.environ: the caller does."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("local_server() must run in the main thread: the server is tied to "
+                           "the thread that starts it (PR_SET_PDEATHSIG)")
+    home = Path(home)
+    home.mkdir(parents=True, exist_ok=True)
+    _remove_stale_files(home)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_SERVER_UI_ENABLED": "false", "PREFECT_CLI_COLORS": "false"})
+    port = free_port()
+    record = pid_file(home)
+    log = record.with_suffix(".log")
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+             "--port", str(port)], stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()))
+    server = LocalServer(proc, port, log, t0)
+    try:
+        record.write_text(json.dumps({"pid": proc.pid, "port": port, "api_url": server.api_url,
+                                      "parent": os.getpid()}))
+        yield server
+    finally:
+        _stop(proc)
+        record.unlink(missing_ok=True)
+        if proc.returncode in (0, -signal.SIGTERM):  # a clean stop: its log is not needed
+            log.unlink(missing_ok=True)
