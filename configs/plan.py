@@ -7,7 +7,10 @@ dp. Stricter than verl: everything verl only finds at run time (or silently gets
 here, with the keys, the numbers, the reason, and values that work (configs/suggest.py)."""
 from __future__ import annotations
 
+import os
+import re
 from math import ceil
+from pathlib import Path
 from typing import Any
 
 from configs.loader import get_path
@@ -18,6 +21,8 @@ ROLLOUT = "actor_rollout_ref.rollout"
 REF = "actor_rollout_ref.ref"
 GPUS, NODES = "trainer.n_gpus_per_node", "trainer.nnodes"
 TBS, N = "data.train_batch_size", "actor_rollout_ref.rollout.n"
+LAUNCHER, HOSTFILE = "trainer.launcher", "trainer.hostfile"
+_HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # deepspeed.launcher.runner._parse_hostfile's pattern
 
 
 class PlanError(ConfigError):
@@ -223,6 +228,7 @@ def compute_plan(cfg: dict) -> dict:
     world = get_path(cfg, GPUS) * get_path(cfg, NODES)
     if world <= 0:
         raise PlanError(f"world size {world} = {NODES} × {GPUS} must be at least 1", (GPUS,))
+    check_launcher(cfg)
     tbs, n = get_path(cfg, TBS), get_path(cfg, N)
     if tbs <= 0 or n <= 0:
         raise PlanError(f"{TBS} ({tbs}) and {N} ({n}) must be positive", (TBS, N))
@@ -260,6 +266,53 @@ def compute_plan(cfg: dict) -> dict:
         "actor": actor, "critic": critic, "rollout": rollout, "ref": ref, "reward_model": reward_model,
         "warnings": warnings,
     }
+
+
+def read_hostfile(path: str) -> dict:
+    """A DeepSpeed hostfile read as DeepSpeed's runner reads it: `host slots=N` per line, `#`
+    comments and blank lines skipped -> {host: slots} in file order. Bad files raise PlanError
+    naming trainer.hostfile, the file and the line."""
+    file = Path(os.path.expanduser(str(path)))
+    if not file.is_file():
+        raise PlanError(f"{HOSTFILE}={path}: no such file (a DeepSpeed hostfile: `host slots=N` per line)",
+                        (HOSTFILE,))
+    hosts: dict = {}
+    for no, line in enumerate(file.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _HOST_LINE.match(line)
+        if not m or int(m.group(2)) < 1:
+            raise PlanError(f"{HOSTFILE}={path} line {no}: {line!r} is not `host slots=N` with N >= 1", (HOSTFILE,))
+        if m.group(1) in hosts:
+            raise PlanError(f"{HOSTFILE}={path} line {no}: host {m.group(1)} is listed twice", (HOSTFILE,))
+        hosts[m.group(1)] = int(m.group(2))
+    if not hosts:
+        raise PlanError(f"{HOSTFILE}={path} lists no host (`host slots=N` per line)", (HOSTFILE,))
+    return hosts
+
+
+def check_launcher(cfg) -> dict | None:
+    """trainer.launcher / trainer.hostfile against the world: the hostfile's hosts and slots
+    (None without a hostfile)."""
+    launcher, path = get_path(cfg, LAUNCHER), get_path(cfg, HOSTFILE)
+    nodes, gpus = get_path(cfg, NODES), get_path(cfg, GPUS)
+    if path is None:
+        if launcher == "deepspeed" and nodes > 1:
+            raise PlanError(f"{NODES}={nodes} with {LAUNCHER}=deepspeed needs {HOSTFILE}: the hosts to start "
+                            f"ranks on (`host slots=N` per line)", (HOSTFILE, NODES))
+        return None
+    if launcher != "deepspeed":
+        raise PlanError(f"{HOSTFILE}={path} is read by DeepSpeed's launcher only, but {LAUNCHER}={launcher}: "
+                        f"set {LAUNCHER}=deepspeed (or {HOSTFILE}=null)", (LAUNCHER,))
+    hosts = read_hostfile(path)
+    slots = sum(hosts.values())
+    if len(hosts) != nodes or slots != nodes * gpus:
+        listed = ", ".join(f"{h} slots={s}" for h, s in hosts.items())
+        raise PlanError(f"{HOSTFILE}={path} lists {len(hosts)} host(s) with {slots} slots ({listed}), but "
+                        f"{NODES} × {GPUS} = {nodes} × {gpus}: it must list {nodes} host(s) with "
+                        f"{nodes * gpus} slots in all", (NODES, GPUS))
+    return hosts
 
 
 def _critic(cfg, world: int, seq_len: int) -> dict:

@@ -26,6 +26,7 @@ RESUMABLE_PREFIXES = (
     "trainer.save_freq", "trainer.test_freq", "trainer.val_before_train", "trainer.val_only",
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
     "trainer.log_val_generations", "trainer.resume_mode", "trainer.resume_from_path",
+    "trainer.launcher", "trainer.hostfile",
     "storage.", "orchestration.", "reward.num_workers", "reward.timeout_s",
     "actor_rollout_ref.actor.optim.total_training_steps", "critic.optim.total_training_steps",
 )
@@ -291,7 +292,7 @@ def start_rank_pool(cfg: dict, plan: dict):
     """One long-lived group of ranks for the whole run (stages.rank_pool): logprob and update of
     every step reuse it instead of paying a torchrun launch and a DeepSpeed set-up each time."""
     world = plan["n_gpus"]
-    if world <= 1 or cfg["orchestration"]["mode"] != "local":
+    if world <= 1 or cfg["orchestration"]["mode"] != "local" or cfg["trainer"].get("launcher") == "deepspeed":
         return None
     from stages.rank_pool import RankPool, activate
 

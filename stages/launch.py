@@ -4,33 +4,40 @@
 
 - world == 1: called in this process (a launch costs 6-13 s on CPU; single-rank jobs skip it).
   `init_distributed` then makes a one-process group on a free port if a rank needs one.
-- world > 1 with an active rank pool of that world and device (stages.rank_pool.activate):
-  the job is submitted to the pool's long-lived ranks (no launch, no re-import, the update
-  engine kept between steps).
-- world > 1 on one machine otherwise: `python -m torch.distributed.run --standalone --nproc_per_node=W
-  -m stages.rank_entry <module> <ctx.json>` in a subprocess, with OMP_NUM_THREADS=1 per rank and
-  TORCH_EXTENSIONS_DIR passed on (DeepSpeed's prebuilt ops). Each rank writes its return value
-  (JSON) to result_<rank>.json in a temporary folder; a failing rank writes error_<rank>.txt
-  (its traceback) and run_ranks raises RuntimeError with that traceback and the tail of stderr.
-  The ranks' stdout (load lines) is relayed to this process's stdout.
+- world > 1 with an active rank pool of that world and device (stages.rank_pool.activate) and
+  trainer.launcher=torchrun: the job is submitted to the pool's long-lived ranks (no launch, no
+  re-import, the update engine kept between steps). The pool is single-node only.
+- world > 1 otherwise, by trainer.launcher (read from the StageContext, or passed in):
+  * torchrun (one machine):
+        python -m torch.distributed.run --standalone --nproc_per_node=W \\
+            -m stages.rank_entry <module> <ctx.json> <device>
+  * deepspeed (DeepSpeed's launcher over trainer.hostfile, `host slots=N` per line; without a
+    hostfile a one-line `localhost slots=W` file is written):
+        <venv>/bin/deepspeed --hostfile H --master_addr A --master_port P --no_local_rank \\
+            --log_level warning [--no_ssh_check] [--num_gpus G] --module stages.rank_entry <module> <ctx.json> <device>
+    One host: DeepSpeed's local launcher (no ssh; --no_ssh_check, master 127.0.0.1). Several hosts:
+    pdsh over ssh starts `deepspeed.launcher.launch` on each, in this checkout's path with this
+    venv's python (both must exist at the same paths on every host); the master is the hostfile's
+    first host (or $STAGERL_MASTER_ADDR), and this machine must be one of the hosts. A world
+    smaller than the hostfile's slots uses world ÷ hosts slots per host (--num_gpus).
+  Both run with OMP_NUM_THREADS=1 and TORCH_EXTENSIONS_DIR passed on (DeepSpeed's prebuilt ops);
+  with pdsh only PYTHON*, UCX*, MV2*, MLFLOW* (and NCCL* on GPU) variables reach other hosts
+  (put others, e.g. OMP_NUM_THREADS, in ~/.deepspeed_env or ./.deepspeed_env, `KEY=value` lines).
 
-Multi-node (trainer.nnodes > 1): the ranks are started on every node by a launcher instead of
-this function, each running the same entry point with the same ctx.json (put it on shared storage
-or pass the run's store URI and rebuild the context from run.json):
-  * torchrun on each node:
-      python -m torch.distributed.run --nnodes=$NNODES --node_rank=$NODE_RANK \\
-          --nproc_per_node=$GPUS_PER_NODE --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 \\
-          -m stages.rank_entry stages.logprob ctx.json
-  * or DeepSpeed's launcher with a hostfile (`node-1 slots=8` per line), from the head node:
-      deepspeed --hostfile hostfile --master_addr $HEAD --module stages.rank_entry stages.update ctx.json
-Results are then read from each rank's result_<rank>.json next to ctx.json (rank_entry writes
-them beside the ctx file), and the stage's rank 0 writes the artifact to the store.
+The ranks (stages.rank_entry) share ctx.json over the process group (ranks on other hosts need no
+copy of it), and rank 0 (the lowest rank that has ctx.json) gathers every rank's return value and
+writes results.json beside it. A failing rank writes error_<rank>.txt there when the folder is on
+its machine and always prints its traceback to stderr (relayed by the launcher, by pdsh from other
+hosts); the launcher then stops the other ranks and run_ranks raises RuntimeError with the
+tracebacks and the tail of the launcher's stderr. The ranks' stdout is relayed to this process's.
+`LAST_LAUNCH` records the last launch's launcher and command line.
 """
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,6 +47,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STDERR_TAIL = 4000
+LAUNCHERS = ("torchrun", "deepspeed")
+RESULTS_FILE = "results.json"  # every rank's return value, written by rank 0 (stages.rank_entry)
+MASTER_ADDR_ENV = "STAGERL_MASTER_ADDR"  # overrides the hostfile's first host as the rendezvous address
+LAST_LAUNCH: dict = {}  # {"launcher", "cmd", "world"} of the last launch in this process
 
 
 def free_port() -> int:
@@ -63,32 +74,45 @@ def context_from_payload(payload: dict):
     return payload["data"]
 
 
-def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: float = 1800) -> list:
-    """Run `module.rank_main(ctx, rank, world)` on `world` ranks; their return values by rank."""
+def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: float = 1800,
+              launcher: str | None = None, hostfile: str | None = None) -> list:
+    """Run `module.rank_main(ctx, rank, world)` on `world` ranks; their return values by rank.
+    launcher / hostfile default to the context's trainer.launcher / trainer.hostfile."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     if world == 1:
         mod = importlib.import_module(module)
         return [mod.rank_main(ctx, 0, 1)]
-    from stages.rank_pool import active_pool
+    launcher = launcher or _ctx_value(ctx, "trainer.launcher") or "torchrun"
+    hostfile = hostfile if hostfile is not None else _ctx_value(ctx, "trainer.hostfile")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"trainer.launcher={launcher!r} is not one of {list(LAUNCHERS)}")
+    if launcher == "torchrun":
+        if hostfile is not None:
+            raise ValueError(f"trainer.hostfile={hostfile} is read by DeepSpeed's launcher only; "
+                             f"set trainer.launcher=deepspeed")
+        from stages.rank_pool import active_pool
 
-    pool = active_pool()
-    if pool is not None and pool.world == world and pool.device == str(device):
-        return pool.submit(module, ctx, timeout_s=timeout_s)
-    with tempfile.TemporaryDirectory(prefix="stagerl-ranks-") as tmp:
-        ctx_file = Path(tmp) / "ctx.json"
+        pool = active_pool()
+        if pool is not None and pool.world == world and pool.device == str(device):
+            return pool.submit(module, ctx, timeout_s=timeout_s)
+    with tempfile.TemporaryDirectory(prefix="stagerl-ranks-") as tmp_name:
+        tmp = Path(tmp_name)
+        ctx_file = tmp / "ctx.json"
         payload = context_payload(ctx)
         payload["device"] = device
         ctx_file.write_text(json.dumps(payload))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", "-m", "stages.rank_entry", module, str(ctx_file)]
-        env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = "1"
-        env["MASTER_PORT"] = str(free_port())
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env.pop("STAGERL_RANK_POOL", None)
-        out_f, err_f = Path(tmp) / "stdout.txt", Path(tmp) / "stderr.txt"
+        entry = ["stages.rank_entry", module, str(ctx_file), str(device)]
+        env = _rank_env()
+        if launcher == "deepspeed":
+            cmd = deepspeed_command(entry, world, hostfile, tmp, free_port())
+        else:
+            env["MASTER_PORT"] = str(free_port())
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                   "-m"] + entry
+        LAST_LAUNCH.clear()
+        LAST_LAUNCH.update(launcher=launcher, cmd=list(cmd), world=world)
+        out_f, err_f = tmp / "stdout.txt", tmp / "stderr.txt"
         with out_f.open("wb") as out, err_f.open("wb") as err:
             proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=err,
                                     start_new_session=True)
@@ -96,23 +120,75 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
-                raise RuntimeError(f"{module} on {world} ranks did not finish in {timeout_s} s; "
+                raise RuntimeError(f"{module} on {world} ranks ({launcher}) did not finish in {timeout_s} s; "
                                    f"stderr tail:\n{_tail(err_f)}") from None
         sys.stdout.write(_rank_stdout(out_f))
         sys.stdout.flush()
-        errors = sorted(Path(tmp).glob("error_*.txt"))
+        errors = sorted(tmp.glob("error_*.txt"), key=lambda e: e.stat().st_mtime)  # first failure first
         if rc != 0 or errors:
             detail = "".join(f"--- {e.stem.replace('_', ' ')} ---\n{e.read_text()[-STDERR_TAIL:]}\n"
                              for e in errors)
-            raise RuntimeError(f"{module} failed on {world} ranks (exit code {rc}).\n{detail}"
+            raise RuntimeError(f"{module} failed on {world} ranks ({launcher}, exit code {rc}).\n{detail}"
                                f"--- stderr tail ---\n{_tail(err_f)}")
-        results = []
-        for rank in range(world):
-            f = Path(tmp) / f"result_{rank}.json"
-            if not f.exists():
-                raise RuntimeError(f"{module}: rank {rank} exited without a result; stderr tail:\n{_tail(err_f)}")
-            results.append(json.loads(f.read_text()))
+        results_file = tmp / RESULTS_FILE
+        if not results_file.exists():
+            raise RuntimeError(f"{module}: the ranks exited without {RESULTS_FILE}; stderr tail:\n{_tail(err_f)}")
+        results = json.loads(results_file.read_text())
+        if len(results) != world:
+            raise RuntimeError(f"{module}: {len(results)} results from {world} ranks")
         return results
+
+
+def _ctx_value(ctx, key: str):
+    """A config value of a StageContext (None for a plain JSON context)."""
+    from stages.context import StageContext
+
+    return ctx.get(key) if isinstance(ctx, StageContext) else None
+
+
+def _rank_env() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("STAGERL_RANK_POOL", None)
+    return env
+
+
+def deepspeed_command(entry: list, world: int, hostfile, work_dir: Path, master_port: int) -> list:
+    """DeepSpeed's launcher (deepspeed.launcher.runner, 0.19) starting `python -m <entry...>` on
+    `world` ranks over `hostfile` (None: `localhost slots=world`, written into work_dir)."""
+    from configs.plan import read_hostfile
+
+    if hostfile is None:
+        hostfile = Path(work_dir) / "hostfile"
+        hostfile.write_text(f"localhost slots={world}\n")
+    hosts = read_hostfile(str(hostfile))
+    slots = sum(hosts.values())
+    per_host = None
+    if world != slots:
+        per_host = world // len(hosts)
+        if world % len(hosts) or per_host > min(hosts.values()):
+            raise ValueError(f"{world} ranks do not fit trainer.hostfile={hostfile} ({slots} slots on "
+                             f"{len(hosts)} host(s)) as an equal number of ranks per host")
+    first = next(iter(hosts))
+    if len(hosts) == 1:
+        master = "127.0.0.1"  # one host: DeepSpeed's local launcher, every rank on this machine
+    else:
+        master = os.environ.get(MASTER_ADDR_ENV) or first
+    cmd = [_deepspeed_bin(), "--hostfile", str(Path(os.path.expanduser(str(hostfile))).resolve()),
+           "--master_addr", master, "--master_port", str(master_port), "--no_local_rank",
+           "--log_level", "warning"]
+    if len(hosts) == 1:
+        cmd.append("--no_ssh_check")  # the runner would ssh into the host to check it otherwise
+    if per_host is not None:
+        cmd += ["--num_gpus", str(per_host)]
+    return cmd + ["--module"] + list(entry)
+
+
+def _deepspeed_bin() -> str:
+    script = Path(sys.executable).parent / "deepspeed"
+    return str(script) if script.exists() else shutil.which("deepspeed") or "deepspeed"
 
 
 def _rank_stdout(path: Path) -> str:
