@@ -44,7 +44,7 @@ bench: install
 	$(PY) bench/logprob.py
 	$(PY) bench/update.py
 	$(PY) bench/launch.py
-	$(PY) bench/step.py --steps 3
+	$(PY) bench/step.py --steps 5
 
 clean-venv:
 	rm -rf $(VENV) .cache

@@ -5,8 +5,10 @@ bench/results/step.json.
 
     python bench/step.py [--steps 3] [key=value ...]      # overrides, e.g. data.train_batch_size=8
 
-Reports the mean of steps 2.. (the rank pool and DeepSpeed engine are warm by then; step 1 pays
-their start) and every step under per_step.
+Two variants side by side, each a fresh experiment on the same Prefect server: step_subflow
+(the default: each step an `rl-step` subflow) and tasks_in_training_flow
+(orchestration.step_subflow=false). Reports the mean of steps 2.. (the rank pool and DeepSpeed
+engine are warm by then; step 1 pays their start) and every step under per_step.
 
 Builds the tiny model and the arithmetic data in a scratch folder; runs against a temporary local
 Prefect server unless PREFECT_API_URL is set. Split, per step:
@@ -53,80 +55,82 @@ def main() -> int:
                  "warmstart.enable=false", "trainer.val_before_train=false",
                  *args.overrides]
     import flows.train as train_mod
+    import flows.step as step_mod
     from storage.artifacts import read_manifest
     from storage.layout import STAGES, RunLayout
     from storage.store import Store
 
-    logged = {}  # step -> the metrics the flow logs for it (timing_s/* included)
+    rec = {"logged": {}, "publish": {}, "subflow": {}, "checks": {}}  # step -> ..., per variant
     original_log = train_mod.MetricSinks.log
+    original_publish, original_execute = step_mod.publish_step, step_mod.execute_stage
+    original_subflow = train_mod.run_step_subflow
 
-    def recording_log(self, step, metrics):
-        logged[step] = dict(metrics)
+    def recording_log(self, step, metrics):  # the metrics the flow logs (timing_s/* included)
+        rec["logged"][step] = dict(metrics)
         return original_log(self, step, metrics)
 
-    train_mod.MetricSinks.log = recording_log
-    import flows.step as step_mod
-
-    publish_s = {}  # step -> seconds spent publishing its Prefect artifacts (part of orchestration)
-    original_publish = step_mod.publish_step
-
-    def timed_publish(run_uri, step, summaries):
+    def timed_publish(run_uri, step, summaries):  # Prefect artifacts, in the background
         t = time.perf_counter()
         try:
             return original_publish(run_uri, step, summaries)
         finally:
-            publish_s[step] = time.perf_counter() - t
-
-    step_mod.publish_step = timed_publish
-    subflow_s, checks_s = {}, {}  # step -> rl-step subflow wall; stage checks (fingerprint, manifest)
-    original_subflow, original_execute = train_mod.run_step_subflow, step_mod.execute_stage
+            rec["publish"][step] = time.perf_counter() - t
 
     def timed_subflow(run_uri, step, extra=None):
         t = time.perf_counter()
         try:
             return original_subflow(run_uri, step, extra)
         finally:
-            subflow_s[step] = time.perf_counter() - t
+            rec["subflow"][step] = time.perf_counter() - t
 
-    def timed_execute(stage, run_uri, step, extra=None, deployment=None):
+    def timed_execute(stage, run_uri, step, extra=None, deployment=None):  # checks = all but run
         t = time.perf_counter()
         out = original_execute(stage, run_uri, step, extra, deployment)
         ran = out.get("seconds") if isinstance(out, dict) else 0.0
-        checks_s[step] = checks_s.get(step, 0.0) + time.perf_counter() - t - (ran or 0.0)
+        rec["checks"][step] = rec["checks"].get(step, 0.0) + time.perf_counter() - t - (ran or 0.0)
         return out
 
+    train_mod.MetricSinks.log, step_mod.publish_step = recording_log, timed_publish
     train_mod.run_step_subflow, step_mod.execute_stage = timed_subflow, timed_execute
-    t0 = time.perf_counter()
-    train_mod.train(config="tiny-cpu", overrides=overrides, experiment_name="bench-step")
-    flow_s = time.perf_counter() - t0
-    store = Store.from_config({"root": str(work / "runs")})
-    layout = RunLayout("stagerl", "bench-step")
-    steps = [split_step(store, layout, read_manifest, STAGES, k, logged[k])
-             for k in sorted(logged) if k >= 1]
-    for s in steps:  # artifacts are published by a thread beside the next step's first stage
-        k, stages_s = s["step"], sum(s["stage_s"].values())
-        checks = checks_s.get(k, 0.0)
-        s["orchestration_detail_s"] = {
-            "prefect_subflow_and_tasks": round(subflow_s.get(k, 0.0) - stages_s - checks, 3),
-            "stage_checks": round(checks, 3),
-            "training_loop": round(s["step_s"] - subflow_s.get(k, 0.0), 3),
-            "publish_artifacts_in_background": round(publish_s.get(k, 0.0), 3)}
-    warm = [s for s in steps if s["step"] >= 2] or steps
-    mean = lambda key, sub=None: round(sum((s[sub].get(key, 0.0) if sub else s[key]) for s in warm)
-                                       / len(warm), 3)
-    split = {k: mean(k, "split_s") for k in warm[0]["split_s"]}
-    step_s = mean("step_s")
-    out = {"config": "tiny-cpu", "overrides": args.overrides, "steps_run": len(steps),
-           "reported_steps": [s["step"] for s in warm], "rows": warm[-1]["rows"],
-           "step_s": step_s, "stage_s": {k: mean(k, "stage_s") for k in STAGES},
-           "split_s": split,
-           "non_compute_fraction": round(1 - split["stage_compute"] / step_s, 4) if step_s else None,
-           "orchestration_detail_s": {k: mean(k, "orchestration_detail_s")
-                                      for k in warm[0]["orchestration_detail_s"]},
-           "update_detail_s": {k: mean(k, "update_detail_s") for k in warm[0]["update_detail_s"]},
-           "per_step": steps,
-           "flow_wall_s_including_setup": round(flow_s, 3),
-           "machine": f"{os.cpu_count()} CPUs", "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d")}
+    out = {"config": "tiny-cpu", "overrides": args.overrides, "variants": {}}
+    for variant, extra in (("step_subflow", ["orchestration.step_subflow=true"]),
+                           ("tasks_in_training_flow", ["orchestration.step_subflow=false"])):
+        for table in rec.values():
+            table.clear()
+        t0 = time.perf_counter()
+        train_mod.train(config="tiny-cpu", overrides=overrides + extra, experiment_name=f"bench-{variant}")
+        flow_s = time.perf_counter() - t0
+        store = Store.from_config({"root": str(work / "runs")})
+        layout = RunLayout("stagerl", f"bench-{variant}")
+        steps = [split_step(store, layout, read_manifest, STAGES, k, rec["logged"][k])
+                 for k in sorted(rec["logged"]) if k >= 1]
+        for st in steps:
+            k, stages_s = st["step"], sum(st["stage_s"].values())
+            checks = rec["checks"].get(k, 0.0)
+            sub = rec["subflow"].get(k)  # None without subflows: Prefect and loop not separable
+            st["orchestration_detail_s"] = {
+                "prefect_subflow_and_tasks" if sub else "prefect_tasks_and_training_loop":
+                    round((sub if sub else st["step_s"]) - stages_s - checks, 3),
+                "stage_checks": round(checks, 3),
+                "publish_artifacts_in_background": round(rec["publish"].get(k, 0.0), 3)}
+            if sub:
+                st["orchestration_detail_s"]["training_loop"] = round(st["step_s"] - sub, 3)
+        warm = [st for st in steps if st["step"] >= 2] or steps
+        mean = lambda key, sub=None: round(sum((st[sub].get(key, 0.0) if sub else st[key])
+                                               for st in warm) / len(warm), 3)
+        split = {k: mean(k, "split_s") for k in warm[0]["split_s"]}
+        step_s = mean("step_s")
+        out["variants"][variant] = {
+            "overrides": extra, "steps_run": len(steps), "reported_steps": [st["step"] for st in warm],
+            "rows": warm[-1]["rows"], "step_s": step_s, "stage_s": {k: mean(k, "stage_s") for k in STAGES},
+            "split_s": split,
+            "non_compute_fraction": round(1 - split["stage_compute"] / step_s, 4) if step_s else None,
+            "orchestration_detail_s": {k: mean(k, "orchestration_detail_s")
+                                       for k in warm[0]["orchestration_detail_s"]},
+            "update_detail_s": {k: mean(k, "update_detail_s") for k in warm[0]["update_detail_s"]},
+            "per_step": steps, "flow_wall_s_including_setup": round(flow_s, 3)}
+    out.update({"goal_non_compute_fraction": 0.10, "machine": f"{os.cpu_count()} CPUs",
+                "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d")})
     print(json.dumps(out, indent=2))
     results = REPO / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)

@@ -254,15 +254,20 @@ def rl_step(run_uri: str, step: int, extra: dict | None = None, publish: bool = 
 
 
 def run_step_subflow(run_uri: str, step: int, extra: dict | None = None) -> dict:
-    """rl_step as a subflow of the training flow, without its own heartbeat thread: Prefect's
-    flow engine joins that thread when a flow run ends and the thread sleeps in 1 s slices, so
-    every subflow paid ~0.5-1 s (measured: 1.1 s vs 0.1 s per empty subflow). The parent rl-train
-    flow run keeps its heartbeats, so a crashed run is still detected. Artifacts are published
-    in the background (see rl_step)."""
+    """rl_step as a subflow of the training flow, its artifacts published in the background
+    (see rl_step). The training flow runs its steps inside subflow_heartbeats_off()."""
+    return rl_step(run_uri, step, extra, background_publish=True)
+
+
+def subflow_heartbeats_off():
+    """A context in which flow runs started from this thread send no heartbeats: Prefect's flow
+    engine joins the heartbeat thread when a flow run ends and that thread sleeps in 1 s slices,
+    so every rl-step subflow paid ~0.5-1 s (measured: 1.1 s vs 0.1 s per empty subflow). Entered
+    once by the training flow after its own heartbeats started (their thread keeps its interval
+    and its copy of the settings), so a crashed run is still detected."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        return rl_step(run_uri, step, extra, background_publish=True)
+    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
 class _BackgroundPublisher:

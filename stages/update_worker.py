@@ -329,11 +329,12 @@ def _take_kept_job(ctx, key: str):
     import gc
 
     entry = _KEPT.pop(key, None)
-    for other in list(_KEPT):
-        del _KEPT[other]
-    if entry is None or entry[1] != ctx.step - 1:
-        entry = None
+    dropped = bool(_KEPT) or (entry is not None and entry[1] != ctx.step - 1)
+    _KEPT.clear()
+    if dropped:  # the rank server froze kept jobs (gc.freeze): let their cycles be collected
+        gc.unfreeze()
         gc.collect()
+    if entry is None or entry[1] != ctx.step - 1:
         return None
     job, _, rng = entry
     torch.set_rng_state(rng["torch"])

@@ -267,6 +267,19 @@ def test_sigkill_inside_stage_then_resume_equals_uninterrupted(server, assets, t
     assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
 
 
+def test_stage_tasks_directly_in_the_training_flow(server, assets, tmp_path, reference_checksum):
+    """orchestration.step_subflow=false: no rl-step subflows, the stage tasks run in the rl-train
+    flow run itself, and the weights equal the subflow run's."""
+    root = tmp_path / "runs"
+    run = stagerl(server, ["train", "--experiment", "f", *tiny_overrides(assets, root),
+                           "orchestration.step_subflow=false"])
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert "Beginning subflow run" not in run.stdout
+    assert all(f"Task run '{s}-step-2'" in run.stdout for s in STAGES)
+    store = Store.from_config({"root": str(root)})
+    assert folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"] == reference_checksum
+
+
 # ---- multi-pool mode and the retry policy (toy stages) -------------------------------------
 @pytest.fixture(scope="module")
 def stage_pools(server):
