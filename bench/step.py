@@ -56,13 +56,14 @@ def main() -> int:
                  *args.overrides]
     import flows.train as train_mod
     import flows.step as step_mod
+    import flows.step_report as report_mod
     from storage.artifacts import read_manifest
     from storage.layout import STAGES, RunLayout
     from storage.store import Store
 
     rec = {"logged": {}, "publish": {}, "subflow": {}, "checks": {}}  # step -> ..., per variant
     original_log = train_mod.MetricSinks.log
-    original_publish, original_execute = step_mod.publish_step, step_mod.execute_stage
+    original_publish, original_execute = report_mod.publish_step, step_mod.execute_stage
     original_subflow = train_mod.run_step_subflow
 
     def recording_log(self, step, metrics):  # the metrics the flow logs (timing_s/* included)
@@ -90,7 +91,7 @@ def main() -> int:
         rec["checks"][step] = rec["checks"].get(step, 0.0) + time.perf_counter() - t - (ran or 0.0)
         return out
 
-    train_mod.MetricSinks.log, step_mod.publish_step = recording_log, timed_publish
+    train_mod.MetricSinks.log, report_mod.publish_step = recording_log, timed_publish
     train_mod.run_step_subflow, step_mod.execute_stage = timed_subflow, timed_execute
     out = {"config": "tiny-cpu", "overrides": args.overrides, "variants": {}}
     for variant, extra in (("step_subflow", ["orchestration.step_subflow=true"]),

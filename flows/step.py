@@ -21,7 +21,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
-from storage.artifacts import read_file, read_manifest, read_run_json
+from flows import step_report
+from storage.artifacts import read_manifest, read_run_json
 from storage.layout import STAGES, RunLayout
 from storage.store import Store, StoreError
 
@@ -241,15 +242,15 @@ def rl_step(run_uri: str, step: int, extra: dict | None = None, publish: bool = 
     cfg, _, _ = open_run(run_uri)
     remote = check_stage_deployments(cfg)
     run_task = stage_task.with_options(**retry_options(cfg))
-    _PUBLISHER.start()  # the previous step's artifacts, beside this step's first stage
+    step_report.PUBLISHER.start()  # the previous step's artifacts, beside this step's first stage
     summaries = {}
     for stage in STAGES:
         summaries[stage] = task_result(run_task(stage, run_uri, step, extra, remote.get(stage),
                                             return_state=True))
     if publish and background_publish:
-        _PUBLISHER.submit(run_uri, step, summaries)
+        step_report.PUBLISHER.submit(run_uri, step, summaries)
     elif publish:
-        publish_step(run_uri, step, summaries)
+        step_report.publish_step(run_uri, step, summaries)
     return summaries
 
 
@@ -268,166 +269,6 @@ def subflow_heartbeats_off():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
-
-
-class _BackgroundPublisher:
-    """Publishes a step's artifacts off the critical path. submit() only records the step (and
-    a copy of the caller's context, the rl-step flow run, so the artifacts attach to it); the
-    next rl_step starts the publishing thread once its own flow run exists, so the thread runs
-    beside that step's first stage. Measured: publishing while Prefect creates the next subflow
-    run stalled that creation by 1-2.5 s (both write to the server's database), while publishing
-    beside a stage costs nothing visible. wait() publishes what is pending and joins; the training
-    flow calls it before it ends. A failed publish is logged as a warning: artifacts are a view,
-    the store holds the data."""
-
-    def __init__(self):
-        self.thread = None
-        self.pending = None
-
-    def submit(self, run_uri: str, step: int, summaries: dict) -> None:
-        import contextvars
-
-        self.wait()
-        self.pending = (contextvars.copy_context(), run_uri, step, summaries)
-
-    def start(self) -> None:
-        """Start publishing what submit() recorded, in a thread."""
-        import threading
-
-        if self.pending is None:
-            return
-        context, *args = self.pending
-        self.pending = None
-        self.thread = threading.Thread(target=context.run, args=(self._publish, *args),
-                                       name=f"publish-step-{args[1]}", daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def _publish(run_uri: str, step: int, summaries: dict) -> None:
-        try:
-            publish_step(run_uri, step, summaries)
-        except Exception as exc:  # noqa: BLE001 - see the class docstring
-            logger().warning(f"step {step}: Prefect artifacts not published "
-                             f"({type(exc).__name__}: {exc})")
-
-    def wait(self, timeout_s: float = 120.0) -> None:
-        self.start()
-        if self.thread is not None:
-            self.thread.join(timeout_s)
-            self.thread = None
-
-
-_PUBLISHER = _BackgroundPublisher()
-
-
-def wait_published() -> None:
-    """Wait for the artifacts of the last step published in the background."""
-    _PUBLISHER.wait()
-
-
-# ---- what a step shows in Prefect ------------------------------------------------------------
-def artifact_slug(layout: RunLayout) -> str:
-    """Prefect artifact keys: lowercase letters, digits and dashes only."""
-    import re
-
-    slug = re.sub(r"[^a-z0-9]+", "-", f"{layout.project}-{layout.experiment}".lower())
-    return slug.strip("-") or "run"
-
-
-def step_metrics(ctx, summaries: dict | None = None) -> dict:
-    """verl-style metrics of a finished step: each stage's manifest metrics, update/metrics.json
-    scalars, and timing_s/{stage} for stages that ran now."""
-    metrics: dict = {}
-    for stage in STAGES:
-        manifest = read_manifest(ctx.store, ctx.layout, ctx.step, stage) or {}
-        metrics.update(_scalars((manifest.get("extra") or {}).get("metrics") or {}))
-    try:
-        update = read_file(ctx.store, ctx.layout, ctx.step, "update", "update/metrics.json")
-        metrics.update({k: v for k, v in update.items() if isinstance(v, (int, float))
-                        and not isinstance(v, bool)})
-    except Exception:
-        pass
-    for stage, summary in (summaries or {}).items():
-        if summary and summary.get("seconds") is not None:
-            metrics[f"timing_s/{stage}"] = summary["seconds"]
-    return metrics
-
-
-def _scalars(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in (tree or {}).items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_scalars(value, name + "/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = value
-    return out
-
-
-def sample_rows(ctx, n: int = 3) -> list[dict]:
-    rollout = read_file(ctx.store, ctx.layout, ctx.step, "rollout").slice(0, n).to_pylist()
-    try:
-        reward = read_file(ctx.store, ctx.layout, ctx.step, "reward").slice(0, n).to_pylist()
-    except Exception:
-        reward = [{}] * len(rollout)
-    return [{"uid": r.get("uid"), "prompt": (r.get("prompt") or "")[-200:],
-             "response": (r.get("response") or "")[:200], "score": w.get("score")}
-            for r, w in zip(rollout, reward)]
-
-
-def publish_step(run_uri: str, step: int, summaries: dict) -> dict:
-    """A markdown artifact (metrics, timings, samples), a table of samples and a link per stage
-    parquet, keyed per experiment so Prefect versions them over steps."""
-    from prefect.artifacts import (create_link_artifact, create_markdown_artifact,
-                                   create_table_artifact)
-
-    ctx = make_context(run_uri, step)
-    slug = artifact_slug(ctx.layout)
-    metrics = step_metrics(ctx, summaries)
-    samples = sample_rows(ctx)
-    lines = [f"# {ctx.layout.base}: step {step}", "", "| stage | status | rows | seconds |",
-             "|---|---|---|---|"]
-    for stage in STAGES:
-        s = summaries.get(stage) or {}
-        status = "cached" if s.get("skipped") else "ran"
-        lines.append(f"| {stage} | {status} | {s.get('rows')} | {s.get('seconds') or '-'} |")
-    lines += ["", "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
-    lines += ["", "## samples", ""]
-    for row in samples:
-        lines += [f"- **{row['uid']}** score {row['score']}: `{_md(row['prompt'])}` → "
-                  f"`{_md(row['response'])}`"]
-    create_markdown_artifact(key=f"{slug}-step", markdown="\n".join(lines),
-                             description=f"{ctx.layout.base} step {step}")
-    create_table_artifact(key=f"{slug}-samples", table=samples,
-                          description=f"first rows of step {step}")
-    for stage in STAGES:
-        for name, path in ((summaries.get(stage) or {}).get("paths") or {}).items():
-            if name.endswith(".parquet"):
-                create_link_artifact(key=f"{slug}-{stage}", link=ctx.store.url(path),
-                                     link_text=f"step {step} {name}",
-                                     description=f"{ctx.layout.base} step {step} {stage}")
-    return metrics
-
-
-def _fmt(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def _md(text: str) -> str:
-    return str(text).replace("`", "'").replace("\n", " ")
-
-
-def log_line(step: int, metrics: dict) -> str:
-    """verl's console format: `step:k - key:value - ...`."""
-    parts = [f"step:{step}"]
-    for key, value in metrics.items():
-        if isinstance(value, float):
-            text = f"{value:.3e}" if value and abs(value) < 1e-3 else f"{value:.3f}"
-        else:
-            text = str(value)
-        parts.append(f"{key}:{text}")
-    return " - ".join(parts)
 
 
 def logger():

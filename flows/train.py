@@ -13,9 +13,9 @@ import time
 
 from prefect import flow
 
-from flows.step import (check_stage_deployments, log_line, logger, make_context, register_run,
-                        rl_step, run_step_subflow, step_is_complete, step_metrics,
-                        subflow_heartbeats_off, wait_published)
+from flows.step import (check_stage_deployments, logger, make_context, register_run, rl_step,
+                        run_step_subflow, step_is_complete, subflow_heartbeats_off)
+from flows.step_report import log_line, step_metrics, wait_published
 from storage.artifacts import fingerprint, read_run_json, write_run_json
 from storage.layout import RunLayout
 from storage.lock import ExperimentLock

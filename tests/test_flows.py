@@ -17,7 +17,8 @@ import pytest
 from _prefect_server import PrefectServer
 from _s3_server import MotoServer
 from flows.train import changed_keys, check_run_json, weights_to_delete, RunConfigChanged
-from flows.step import is_retryable, log_line
+from flows.step import is_retryable
+from flows.step_report import log_line
 from storage.faults import FaultSpecError, parse
 from storage.artifacts import read_manifest, read_table
 from storage.layout import STAGES, RunLayout
