@@ -119,6 +119,15 @@ def static_micro_batches(n_rows: int, micro: int) -> list[list[int]]:
     return [list(range(s, min(s + micro, n_rows))) for s in range(0, n_rows, micro)]
 
 
+def check_budget(lengths: list[int], budget: int | None, key: str) -> int:
+    """The longest sequence, if it fits the token budget (a sequence is never split)."""
+    longest = max(lengths)
+    if budget is None or budget < longest:
+        raise ValueError(f"token budget {key}={budget} is below the longest sequence ({longest} "
+                         f"tokens, row {lengths.index(longest)}): a sequence is never split")
+    return longest
+
+
 def token_budget_micro_batches(seqlens: list[int], budget: int, group=None,
                                all_reduce: bool = True) -> list[list[int]]:
     """verl's rearrange_micro_batches on (prompt+response) lengths; returns index lists in
@@ -126,10 +135,7 @@ def token_budget_micro_batches(seqlens: list[int], budget: int, group=None,
     group) every rank runs the same number of micro-batches (all-reduce MAX)."""
     if not seqlens:
         return []
-    longest = max(seqlens)
-    if budget is None or budget < longest:
-        raise ValueError(f"token budget log_prob/ppo max_token_len_per_gpu={budget} is below the longest "
-                         f"sequence ({longest} tokens, row {seqlens.index(longest)}): a sequence is never split")
+    check_budget(seqlens, budget, "log_prob/ppo max_token_len_per_gpu")
     num_micro = min(len(seqlens), ceil(sum(seqlens) / budget))
     num_micro = _max_over_group(num_micro, group, all_reduce)
     if num_micro > len(seqlens):

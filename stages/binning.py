@@ -30,14 +30,11 @@ def binned_micro_batches(lengths: list[int], budget: int, group=None,
     time in attention). The count is all-reduced MAX over `group`
     (every rank runs as many backward passes, as ZeRO-2/3 need) and reached by splitting the
     micro-batch with the most rows (its bins in two halves, or a single bin's sequences in two)."""
-    from stages.batching import _max_over_group
+    from stages.batching import _max_over_group, check_budget
 
     if not lengths:
         return []
-    longest = max(lengths)
-    if budget is None or budget < longest:
-        raise ValueError(f"token budget max_token_len_per_gpu={budget} is below the longest sequence "
-                         f"({longest} tokens, row {lengths.index(longest)}): a sequence is never split")
+    longest = check_budget(lengths, budget, "max_token_len_per_gpu")
     left, micro = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), []
     while left:
         width = max(lengths[left[0]], longest // 2)
