@@ -56,6 +56,16 @@ def uses_ref(cfg: dict) -> bool:
     return bool(get_path(cfg, "algorithm.use_kl_in_reward") or get_path(cfg, f"{ACTOR}.use_kl_loss"))
 
 
+def needs_old_log_prob_pass(cfg: dict, actor: dict) -> bool:
+    """A separate old-log-prob forward (the logprob stage's actor pass) is needed unless it is
+    provably the update's own first forward: one mini-batch and one epoch (verl's on-policy
+    shortcut: the update uses its forward, detached, as old log-probs), no KL in reward (the
+    advantage stage reads old log-probs) and no critic warm-up (the actor then skips steps). The
+    update then stores those values itself (update/log_probs.parquet), so inspect still has them."""
+    return not (actor["on_policy"] and not get_path(cfg, "algorithm.use_kl_in_reward")
+                and not (get_path(cfg, "trainer.critic_warmup") or 0))
+
+
 def _one_micro(cfg, role: str, deprecated: str, per_gpu: str) -> None:
     """verl: without dynamic batch size exactly one of the global / per-GPU micro sizes is set."""
     old, new = get_path(cfg, deprecated), get_path(cfg, per_gpu)
@@ -251,6 +261,7 @@ def compute_plan(cfg: dict) -> dict:
     rollout = _rollout(cfg, world, seq_len, warnings)
     rollout.update(_log_prob_role(cfg, "actor_rollout_ref.rollout", ROLLOUT, dp, sp, rows_per_rank, seq_len,
                                   check_micro=not actor_dynamic))
+    rollout["old_log_prob_pass"] = needs_old_log_prob_pass(cfg, actor)
     ref = None
     if uses_ref(cfg):
         ref = _log_prob_role(cfg, "actor_rollout_ref.ref", REF, dp, sp, rows_per_rank, seq_len,

@@ -55,6 +55,8 @@ def run(ctx) -> dict:
     n_rows = rollout.num_rows
     world = ctx.plan["actor"]["dp_size"]
     check_inputs(ctx, rollout, world)
+    if not _roles(ctx.plan):  # no pass at all: old log-probs come from the update's forward
+        return _write_without_passes(ctx, rollout, world, t0)
     device = str(ctx.get("trainer.device") or "cpu")
     results = run_ranks("stages.logprob", ctx, world, device=device)
     columns = {name: [None] * n_rows for name in _output_columns(ctx.plan)}
@@ -70,11 +72,33 @@ def run(ctx) -> dict:
     columns["rank"] = rank_of
     table = make_table("logprob", columns)
     permutation = [row for result in results for row in result["rows"]]
-    extra = {"world": world, "permutation": permutation,
+    extra = {"world": world, "permutation": permutation, "passes": _roles(ctx.plan),
              "loads": {role: [r["loads"][role] for r in results] for role in results[0]["loads"]},
              "micro_batches": {role: [r["micro_batches"][role] for r in results]
                                for role in results[0]["micro_batches"]},
              "rank_timings": [r["timings"] for r in results]}
+    return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table,
+                       fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
+                       inputs=ctx.input_fingerprints(INPUTS),
+                       timings={"logprob_s": round(time.perf_counter() - t0, 4)}, extra=extra)
+
+
+def _write_without_passes(ctx, rollout, world: int, t0: float) -> dict:
+    """No forward to run (GRPO-style on-policy without KL or critic): the table holds only each
+    row's rank (the balance_batch partition the ranks would use); nothing is launched."""
+    from storage.artifacts import write_table
+    from storage.schemas import make_table
+
+    seqlens = [len(p) + len(r) for p, r in zip(rollout.column("prompt_ids").to_pylist(),
+                                               rollout.column("response_ids").to_pylist())]
+    parts = batching.balance_partitions(seqlens, world)
+    rank_of = [0] * rollout.num_rows
+    for rank, part in enumerate(parts):
+        for row in part:
+            rank_of[row] = rank
+    table = make_table("logprob", {"rank": rank_of})
+    extra = {"world": world, "permutation": [row for part in parts for row in part], "passes": [],
+             "old_log_probs": "update/log_probs.parquet (the update's own forward, detached)"}
     return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table,
                        fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
                        inputs=ctx.input_fingerprints(INPUTS),
@@ -88,7 +112,8 @@ def check_inputs(ctx, rollout, world: int) -> None:
         raise ValueError(f"rollout.parquet of step {ctx.step} has no rows")
     if rollout.num_rows % world:
         raise ValueError(f"{rollout.num_rows} rollout rows are not divisible by {world} logprob ranks")
-    models.check_model_folder(ctx.actor_weights(), "actor_rollout_ref.model.path (policy)")
+    if "actor" in _roles(ctx.plan):
+        models.check_model_folder(ctx.actor_weights(), "actor_rollout_ref.model.path (policy)")
     if ctx.plan.get("ref") is not None:
         models.check_model_folder(ctx.reference_weights(), "reference policy (actor_rollout_ref.model.path)")
     if ctx.plan.get("critic") is not None and ctx.step <= 1:
@@ -110,7 +135,7 @@ BUDGET_KEYS = {"actor": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gp
 
 
 def _output_columns(plan) -> list[str]:
-    names = ["old_log_probs", "entropy"]
+    names = ["old_log_probs", "entropy"] if "actor" in _roles(plan) else []
     if plan.get("ref") is not None:
         names.append("ref_log_probs")
     if plan.get("critic") is not None:
@@ -190,7 +215,9 @@ def micro_batch_records(mine, seqlens, mbs, prompt_lens, packed) -> dict:
 
 
 def _roles(plan) -> list[str]:
-    roles = ["actor"]
+    """The forward passes this step needs: actor (old log-probs, unless the update's own forward
+    replaces them: plan rollout.old_log_prob_pass), ref (with KL), critic (values)."""
+    roles = ["actor"] if plan["rollout"].get("old_log_prob_pass", True) else []
     if plan.get("ref") is not None:
         roles.append("ref")
     if plan.get("critic") is not None:

@@ -84,9 +84,11 @@ def run(ctx) -> dict:
         for line in metrics["update/load_lines"]:
             print(line, flush=True)
         table = microbatch_table(results, logprob_micro_batches(ctx))
+        files = {"update/metrics.json": metrics, "update/microbatches.parquet": table}
+        if results[0].get("log_probs") is not None:
+            files["update/log_probs.parquet"] = forward_log_probs_table(results, ctx.plan["rows_per_step"])
         metrics["timing/update_s"] = time.perf_counter() - t0
-        manifest = write_stage(ctx.store, ctx.layout, ctx.step, STAGE,
-                               {"update/metrics.json": metrics, "update/microbatches.parquet": table},
+        manifest = write_stage(ctx.store, ctx.layout, ctx.step, STAGE, files,
                                fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
                                inputs=ctx.input_fingerprints(INPUTS),
                                timings={k: v for k, v in metrics.items() if k.startswith("timing/")},
@@ -122,6 +124,21 @@ def build_metrics(results: list, launch_s: float, upload_s: float) -> dict:
     metrics["update/micro_batch_loads"] = loads
     metrics["update/load_lines"] = lines
     return metrics
+
+
+def forward_log_probs_table(results: list, n_rows: int):
+    """update/log_probs.parquet: the old log-probs and entropy the ranks' forward gave (when it
+    replaced the logprob stage's actor pass), in rollout row order."""
+    columns = {"old_log_probs": [None] * n_rows, "entropy": [None] * n_rows}
+    for r in results:
+        part = r["log_probs"]
+        for pos, row in enumerate(part["rows"]):
+            columns["old_log_probs"][row] = part["old_log_probs"][pos]
+            columns["entropy"][row] = part["entropy"][pos]
+    missing = [i for i, v in enumerate(columns["old_log_probs"]) if v is None]
+    if missing:
+        raise RuntimeError(f"update: rows {missing[:5]} got no forward log-probs from any rank")
+    return make_table("update_log_probs", columns)
 
 
 def logprob_micro_batches(ctx) -> list:

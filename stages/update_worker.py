@@ -76,6 +76,7 @@ class UpdateJob:
         from stages.models import load_critic, load_policy, load_tokenizer
 
         self.rank, self.world, self.device = rank, world, device
+        self.forward_values = None  # {row: (old log-probs, entropy)} while train_step keeps them
         self.dtype = ctx.get(f"{ACTOR}.deepspeed.dtype")
         model_dtype = "bf16" if self.dtype == "bf16" else "fp32"
         self.init_path = ctx.reference_weights()
@@ -131,8 +132,6 @@ class UpdateJob:
             rows = len(next(iter(t.values()))) if t else 0
             if rows != n:
                 raise ValueError(f"step {ctx.step}: {name}.parquet has {rows} rows, rollout.parquet {n}")
-        if self.critic is not None and "values" not in tables["logprob"]:
-            raise ValueError(f"step {ctx.step}: logprob.parquet has no 'values' column, needed by the critic")
         dp = self.actor.plan["dp_size"]
         seqlens = [len(p) + len(r) for p, r in zip(tables["rollout"]["prompt_ids"], tables["rollout"]["response_ids"])]
         if ctx.get("trainer.balance_batch"):
@@ -140,10 +139,17 @@ class UpdateJob:
         else:
             per = n // dp
             parts = [list(range(r * per, (r + 1) * per)) for r in range(dp)]
-        cols = {"prompt_ids": "rollout", "response_ids": "rollout", "old_log_probs": "logprob",
-                "ref_log_probs": "logprob", "advantages": "advantage", "returns": "advantage"}
+        cols = {"prompt_ids": "rollout", "response_ids": "rollout", "advantages": "advantage",
+                "returns": "advantage"}
+        if not self.actor.plan["on_policy"]:  # on-policy: the update's own forward, detached
+            cols["old_log_probs"] = "logprob"
+        if self.actor.cfg.get("use_kl_loss"):  # no KL loss: no reference model (as verl)
+            cols["ref_log_probs"] = "logprob"
         if self.critic is not None:
             cols["values"] = "logprob"
+        for c, t in cols.items():
+            if c not in tables[t]:
+                raise ValueError(f"step {ctx.step}: {t}.parquet has no {c!r} column, needed by the update")
         rows = []
         for i in parts[self.rank]:
             row = {c: tables[t][c][i] for c, t in cols.items()}
@@ -155,6 +161,9 @@ class UpdateJob:
     def train_step(self, ctx) -> dict:
         t0 = time.perf_counter()
         rows = self.rank_rows(ctx)
+        # plan rollout.old_log_prob_pass false: no logprob-stage actor pass ran; the actor's one
+        # forward per row (one mini-batch, one epoch) gives the old log-probs and entropy
+        self.forward_values = None if ctx.plan["rollout"].get("old_log_prob_pass", True) else {}
         total = ctx.extra.get("total_training_steps") or ctx.get("trainer.total_training_steps")
         metrics, records = {}, []
         for role in self.roles():
@@ -167,7 +176,13 @@ class UpdateJob:
             metrics.update(m)
             records += rec
         metrics["timing/update_compute_s"] = time.perf_counter() - t0
-        return {"metrics": metrics, "records": records}
+        out = {"metrics": metrics, "records": records}
+        if self.forward_values is not None:
+            index = sorted(self.forward_values)
+            out["log_probs"] = {"rows": index, "old_log_probs": [self.forward_values[i][0] for i in index],
+                                "entropy": [self.forward_values[i][1] for i in index]}
+            self.forward_values = None
+        return out
 
     def _train_role(self, ctx, role: Role, rows: list[dict]):
         plan, engine = role.plan, role.engine
@@ -252,6 +267,10 @@ class UpdateJob:
         log_prob, entropy = response_log_probs(role.engine.module, batch, ctx.get("actor_rollout_ref.rollout.temperature"),
                                                with_entropy=True)
         old = log_prob.detach() if role.plan["on_policy"] else self._per_token(part, "old_log_probs", R)
+        if self.forward_values is not None:  # this forward replaces the old-log-prob pass: keep it
+            for j, row in enumerate(part):
+                n = len(row["response_ids"])
+                self.forward_values[row["index"]] = (old[j, :n].tolist(), entropy[j, :n].detach().tolist())
         adv = self._per_token(part, "advantages", R)
         policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
         clip = cfg.get("clip_ratio", 0.2)

@@ -137,8 +137,23 @@ class RunView:
         key = (step, check_stage(stage))
         if key not in self._tables:
             self.require(step, [stage])
-            self._tables[key] = read_table(self.store, self.layout, step, stage)
+            table = read_table(self.store, self.layout, step, stage)
+            if stage == "logprob":
+                table = self._with_update_log_probs(step, table)
+            self._tables[key] = table
         return self._tables[key]
+
+    def _with_update_log_probs(self, step: int, table):
+        """logprob rows plus the update's old_log_probs / entropy when its forward replaced the
+        old-log-prob pass (update/log_probs.parquet; absent until the update is complete)."""
+        manifest = self.manifest(step, "update")
+        if "old_log_probs" in table.schema.names or not manifest \
+                or "update/log_probs.parquet" not in (manifest.get("files") or {}):
+            return table
+        extra = read_file(self.store, self.layout, step, "update", "update/log_probs.parquet")
+        for name in extra.schema.names:
+            table = table.append_column(extra.schema.field(name), extra.column(name))
+        return table
 
     def update_metrics(self, step: int, raw: bool = False) -> dict:
         """update/metrics.json flattened to {name: float} (raw=True: as stored); {} while the

@@ -88,9 +88,19 @@ SCHEMAS = {
     ),
     "logprob": StageSchema(
         "logprob",
-        required=[("old_log_probs", TOK_F32), ("entropy", TOK_F32)],
-        optional=[("ref_log_probs", TOK_F32), ("values", TOK_F32)],  # ref: only with KL; values: PPO
+        # old/entropy: only with a separate old-log-prob pass (else the update's own forward
+        # stores them in update/log_probs.parquet); ref: only with KL; values: PPO
+        required=[],
+        optional=[("old_log_probs", TOK_F32), ("entropy", TOK_F32), ("ref_log_probs", TOK_F32),
+                  ("values", TOK_F32)],
         per_token=("old_log_probs", "ref_log_probs", "entropy", "values"),
+    ),
+    # update/log_probs.parquet: the update's first forward (detached) when it replaced the
+    # separate old-log-prob pass (plan rollout.old_log_prob_pass false); rollout row order.
+    "update_log_probs": StageSchema(
+        "update_log_probs",
+        required=[("old_log_probs", TOK_F32), ("entropy", TOK_F32)],
+        per_token=("old_log_probs", "entropy"),
     ),
     "reward": StageSchema(
         "reward",
@@ -119,6 +129,7 @@ FILE_SCHEMAS = {
     "reward.parquet": "reward",
     "advantage.parquet": "advantage",
     "update/microbatches.parquet": "microbatches",
+    "update/log_probs.parquet": "update_log_probs",
 }
 
 

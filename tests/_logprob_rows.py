@@ -12,10 +12,12 @@ from storage.schemas import make_table
 
 
 def make_ctx(root, model_dir, overrides=(), ranks=1, step=1):
+    """Two mini-batches per step (ppo_mini_batch_size 2 of 4 prompts), so the plan keeps the
+    separate old-log-prob pass (one mini-batch, one epoch would let the update's forward replace it)."""
     cfg = load_config("tiny-cpu", ["warmstart.enable=false", "actor_rollout_ref.rollout.temperature=1.0", 
         f"storage.root={root}", "trainer.experiment_name=lp", f"trainer.n_gpus_per_node={ranks}",
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3",

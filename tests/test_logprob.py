@@ -135,7 +135,8 @@ def test_chunked_log_probs_are_differentiable(model_dir, rows):
     model.zero_grad()
     full.sum().backward()
     for g, p in zip(grads, model.parameters()):
-        assert torch.allclose(g, p.grad, atol=1e-5)
+        # float32 sums in another order: equal within 1e-5 of the largest gradient entry
+        assert (g - p.grad).abs().max() <= 1e-5 * max(1.0, float(p.grad.abs().max()))
 
 
 def test_token_budget_below_longest_sequence(tmp_path, model_dir, rows):
