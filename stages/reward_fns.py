@@ -2,30 +2,29 @@
 
 A reward function has verl's signature `compute_score(data_source, solution_str, ground_truth,
 extra_info)` and returns a number or a dict with "score" (an "acc" key fills the acc column; other
-keys are kept as extras). `score_batch` runs it in spawned worker processes with a per-row timeout:
-a row whose function raises, returns something unusable or runs too long scores 0 with the reason
-in its `error` field (the hung worker is killed and replaced), unless `strict` makes it fatal.
+keys are kept as extras). `score_batch` runs it in spawned worker processes with a per-row timeout
+(stages.scorer_pool.ScorerPool; a training run keeps one pool alive across steps): a row whose
+function raises, returns something unusable or runs too long scores 0 with the reason in its
+`error` field (the hung worker is killed and replaced), unless `strict` makes it fatal.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import math
-import multiprocessing
 import os
 import sys
-import time
 import traceback
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from multiprocessing.connection import wait
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from stages.scorers import default_compute_score
 
+if TYPE_CHECKING:
+    from stages.scorer_pool import ScorerPool
+
 DEFAULT_FN_NAME = "compute_score"
-WORKER_STARTUP_TIMEOUT_S = 120.0
 
 
 class RewardFunctionNotFound(LookupError):
@@ -124,141 +123,34 @@ def score_row(fn: Callable[..., Any], row: Mapping) -> dict:
     return normalise_result(result)
 
 
-def _worker_main(conn, spec: RewardFnSpec) -> None:
-    """Worker process: load the function, say ready, then score (index, row) messages until EOF."""
-    try:
-        fn = load_reward_fn(spec)
-    except Exception as exc:
-        conn.send(("load_error", str(exc)))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        index, row = message
-        outcome = score_row(fn, row)
-        try:
-            conn.send(("result", index, outcome))
-        except Exception as exc:  # e.g. extras that cannot be pickled
-            conn.send(("result", index, _failed(f"result could not be sent back: {describe_error(exc)}")))
-
-
-class _Worker:
-    """One spawned scoring process and the row it is working on."""
-
-    def __init__(self, context, spec: RewardFnSpec):
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child_conn, spec), daemon=True)
-        self.process.start()
-        child_conn.close()
-        self.ready = False
-        self.started_at = time.monotonic()
-        self.index: int | None = None
-        self.deadline = math.inf
-
-    def assign(self, index: int, row: Mapping, timeout_s: float) -> None:
-        self.index, self.deadline = index, time.monotonic() + timeout_s
-        try:
-            self.conn.send((index, dict(row)))
-        except OSError:  # the process is gone; its closed pipe is reported by the next wait()
-            pass
-
-    def stop(self, kill: bool = False) -> None:
-        if not kill:
-            try:
-                self.conn.send(None)
-            except OSError:
-                kill = True
-        if kill and self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self.conn.close()
-
-
 def score_batch(rows: Sequence[Mapping], fn_spec: "RewardFnSpec | Mapping | None" = None,
-                num_workers: int = 4, timeout_s: float = 30.0, strict: bool = False
-                ) -> tuple[list[dict], dict[str, float]]:
+                num_workers: int = 4, timeout_s: float = 30.0, strict: bool = False,
+                pool: "ScorerPool | None" = None) -> tuple[list[dict], dict[str, float]]:
     """Score rows (data_source, solution_str, ground_truth, optional extra_info) in worker processes.
 
     Returns one {score, acc, extras, error} dict per row, in order, and metrics
     reward/errors (raised, bad return value, worker died), reward/timeouts and reward/rows.
     With strict=True the first failure raises RewardScoringError naming the row index.
+    With `pool` (a training run's resident stages.scorer_pool.ScorerPool) the rows are scored by
+    its workers, which must have been made for the same function, num_workers and timeout_s;
+    without, a pool is started for this call and closed at its end.
     """
-    spec = RewardFnSpec.from_config(fn_spec)
-    load_reward_fn(spec)  # fail fast, in this process, on a missing file or function
-    if num_workers < 1 or timeout_s <= 0:
-        raise ValueError(f"num_workers must be >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
-    results: list[dict | None] = [None] * len(rows)
-    counts = {"errors": 0, "timeouts": 0}
+    from stages.scorer_pool import ScorerPool
 
-    def record(index: int, outcome: dict, kind: str = "errors") -> None:
-        results[index] = outcome
-        if outcome["error"] is not None:
-            counts[kind] += 1
-            if strict:
-                raise RewardScoringError(f"reward scoring failed on row {index} "
-                                         f"(data_source={rows[index].get('data_source')!r}): {outcome['error']}")
-
-    context = multiprocessing.get_context("spawn")
-    pending = deque(range(len(rows)))
-    workers = [_Worker(context, spec) for _ in range(min(num_workers, len(rows)))]
-    try:
-        while pending or any(w.index is not None for w in workers):
-            for worker in workers:
-                if worker.ready and worker.index is None and pending:
-                    index = pending.popleft()
-                    worker.assign(index, rows[index], timeout_s)
-            now = time.monotonic()
-            deadlines = [w.deadline if w.ready else w.started_at + WORKER_STARTUP_TIMEOUT_S for w in workers]
-            by_conn = {w.conn: w for w in workers}
-            for conn in wait(list(by_conn), timeout=max(0.0, min(deadlines) - now)):
-                worker = by_conn[conn]
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    message = ("died",)
-                if message[0] == "ready":
-                    worker.ready = True
-                elif message[0] == "result":
-                    worker.index, worker.deadline = None, math.inf
-                    record(message[1], message[2])
-                elif message[0] == "load_error":
-                    raise RewardScoringError(f"reward worker could not load the function: {message[1]}")
-                else:  # the process ended without answering
-                    if not worker.ready:
-                        raise RewardScoringError(f"reward worker exited during startup "
-                                                 f"(exit code {worker.process.exitcode})")
-                    index = worker.index
-                    workers[workers.index(worker)] = _replace(worker, context, spec)
-                    if index is not None:
-                        record(index, _failed(f"reward worker process died while scoring "
-                                              f"(exit code {worker.process.exitcode})"))
-            now = time.monotonic()
-            for position, worker in enumerate(workers):
-                if worker.index is not None and now >= worker.deadline:
-                    index = worker.index
-                    workers[position] = _replace(worker, context, spec)
-                    record(index, _failed(f"timeout: scoring took longer than {timeout_s}s "
-                                          "(worker killed)"), kind="timeouts")
-                elif not worker.ready and now >= worker.started_at + WORKER_STARTUP_TIMEOUT_S:
-                    raise RewardScoringError(
-                        f"reward worker did not start within {WORKER_STARTUP_TIMEOUT_S:.0f}s")
-    finally:
-        for worker in workers:
-            worker.stop(kill=True)
-    metrics = {"reward/errors": float(counts["errors"]), "reward/timeouts": float(counts["timeouts"]),
-               "reward/rows": float(len(rows))}
-    return results, metrics  # type: ignore[return-value]
+    if pool is None:
+        with ScorerPool(fn_spec, num_workers, timeout_s) as one_shot:
+            return one_shot.score(rows, strict=strict)
+    mismatches = pool.matches(fn_spec, num_workers, timeout_s)
+    if mismatches:
+        raise ValueError("score_batch: the ScorerPool passed was made for other settings: "
+                         + "; ".join(mismatches))
+    return pool.score(rows, strict=strict)
 
 
-def _replace(worker: _Worker, context, spec: RewardFnSpec) -> _Worker:
-    """Kill a hung or dead worker and start a fresh one in its place."""
-    worker.stop(kill=True)
-    return _Worker(context, spec)
+def __getattr__(name: str):
+    """`from stages.reward_fns import ScorerPool` works; the import is lazy because
+    stages.scorer_pool (which spawned workers import first) imports this module."""
+    if name == "ScorerPool":
+        from stages.scorer_pool import ScorerPool
+        return ScorerPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,12 +1,13 @@
 """Custom reward functions (verl's custom_reward_function) scored in worker processes with timeouts."""
+import os
 import textwrap
 import time
 
 import pytest
 
 from stages.reward_fns import (
-    RewardFnSpec, RewardFunctionNotFound, RewardScoringError, load_reward_fn, normalise_result,
-    score_batch)
+    RewardFnSpec, RewardFunctionNotFound, RewardScoringError, ScorerPool, load_reward_fn,
+    normalise_result, score_batch)
 
 REWARD_FILE = textwrap.dedent('''
     import os, time
@@ -156,3 +157,115 @@ def test_normalise_result_accepts_numbers_and_bools():
     assert normalise_result(1) == {"score": 1.0, "acc": None, "extras": {}, "error": None}
     assert normalise_result(True)["score"] == 1.0
     assert normalise_result({"score": 0.25, "acc": 0})["acc"] is False
+
+
+# ---- ScorerPool: workers resident across calls ----------------------------------------------
+def alive(pid):
+    """Whether a process with this pid exists (a reaped child does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_pool_keeps_its_workers_and_row_order_across_calls(reward_file):
+    spec = {"path": reward_file, "name": "with_details"}
+    with ScorerPool(spec, num_workers=2, timeout_s=5) as pool:
+        assert pool.worker_pids == []   # started by the first call that has rows
+        solutions = ["a" * (i % 7) for i in range(50)]
+        first, metrics = pool.score([make_row(i, s, "aaa") for i, s in enumerate(solutions)])
+        pids = pool.worker_pids
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        assert [r["extras"]["length"] for r in first] == [i % 7 for i in range(50)]
+        assert [r["score"] for r in first] == [1.0 if i % 7 == 3 else 0.0 for i in range(50)]
+        assert metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/rows": 50.0}
+        second, _ = score_batch([make_row(0, "aaa", "aaa"), make_row(1, "b", "aaa")], spec,
+                                num_workers=2, timeout_s=5, pool=pool)
+        assert [(r["score"], r["extras"]["length"]) for r in second] == [(1.0, 3), (0.0, 1)]
+        assert pool.worker_pids == pids
+
+
+def test_pool_replaces_hung_and_dead_workers_and_scores_the_next_batch(reward_file):
+    # one worker, chunks of half the queue: rows 0-3 (row 1 kills the worker, rows 2-3 go back
+    # to the queue), then rows 2-4 (row 3 hangs, row 4 goes back), then 4-5, 6, 7
+    pool = ScorerPool({"path": reward_file}, num_workers=1, timeout_s=1.5)
+    try:
+        rows = [make_row(0, "1", "1"), make_row(1, "x", "die"), make_row(2, "2", "2"),
+                make_row(3, "x", "hang"), make_row(4, "4", "4"), make_row(5, "x", "5"),
+                make_row(6, "6", "6"), make_row(7, "7", "7")]
+        results, metrics = pool.score(rows)
+        assert [r["score"] for r in results] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+        assert "died while scoring" in results[1]["error"] and "exit code 3" in results[1]["error"]
+        assert results[3]["error"].startswith("timeout: scoring took longer than 1.5s")
+        assert [r["error"] is None for r in results] == [True, False, True, False, True, True, True, True]
+        assert metrics == {"reward/errors": 1.0, "reward/timeouts": 1.0, "reward/rows": 8.0}
+        [pid] = pool.worker_pids
+        assert alive(pid)
+        results, metrics = pool.score([make_row(0, "9", "9"), make_row(1, "x", "boom"), make_row(2, "3", "4")])
+        assert [r["score"] for r in results] == [1.0, 0.0, 0.0]
+        assert results[1]["error"].startswith("ValueError: cannot score row 1")
+        assert metrics == {"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/rows": 3.0}
+        assert pool.worker_pids == [pid]   # a raising function does not cost the worker
+    finally:
+        pool.close()
+    assert not alive(pid)
+
+
+def test_pool_restarts_workers_when_the_reward_file_changes(reward_file):
+    rows = [make_row(0, "7", "7"), make_row(1, "6", "7")]
+    with ScorerPool({"path": reward_file}, num_workers=2, timeout_s=5) as pool:
+        assert [r["score"] for r in pool.score(rows)[0]] == [1.0, 0.0]
+        pids = pool.worker_pids
+        stat = os.stat(reward_file)
+        os.utime(reward_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, same code
+        assert [r["score"] for r in pool.score(rows)[0]] == [1.0, 0.0]
+        assert pool.worker_pids == pids
+        with open(reward_file, "w") as f:   # same size, new scores
+            f.write(REWARD_FILE.replace("return 1.0 if", "return 5.0 if").replace("else 0.0", "else 0.5"))
+        assert [r["score"] for r in pool.score(rows)[0]] == [5.0, 0.5]
+        assert set(pool.worker_pids).isdisjoint(pids) and not any(alive(p) for p in pids)
+        with open(reward_file, "w") as f:
+            f.write("def compute_score(:\n")
+        with pytest.raises(RewardFunctionNotFound, match="failed to import"):
+            pool.score(rows)
+        os.remove(reward_file)
+        with pytest.raises(RewardFunctionNotFound, match="does not exist"):
+            pool.score(rows)
+        with open(reward_file, "w") as f:
+            f.write(REWARD_FILE)
+        assert [r["score"] for r in pool.score(rows)[0]] == [1.0, 0.0]
+
+
+def test_pool_strict_raises_naming_the_row_and_keeps_working(reward_file):
+    with ScorerPool({"path": reward_file}, num_workers=1, timeout_s=5) as pool:
+        rows = [make_row(0, "1", "1"), make_row(1, "x", "boom")] + [make_row(i, "1", "1") for i in range(2, 8)]
+        with pytest.raises(RewardScoringError, match=r"row 1 .*ValueError: cannot score row 1"):
+            pool.score(rows, strict=True)
+        results, metrics = pool.score([make_row(0, "2", "2"), make_row(1, "3", "2")], strict=True)
+        assert [r["score"] for r in results] == [1.0, 0.0] and metrics["reward/errors"] == 0.0
+
+
+def test_pool_close_leaves_no_process_and_refuses_work(reward_file):
+    pool = ScorerPool({"path": reward_file}, num_workers=3, timeout_s=5)
+    pool.start()
+    pids = pool.worker_pids
+    assert len(pids) == 3 and all(alive(p) for p in pids)
+    assert pool.score([make_row(0, "1", "1")])[0][0]["score"] == 1.0
+    pool.close()
+    pool.close()
+    assert pool.worker_pids == [] and not any(alive(p) for p in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.score([make_row(0, "1", "1")])
+
+
+def test_score_batch_refuses_a_pool_made_for_other_settings(reward_file):
+    with ScorerPool({"path": reward_file}, num_workers=2, timeout_s=5) as pool:
+        with pytest.raises(ValueError, match=r"reward.num_workers 3 \(pool: 2\)"):
+            score_batch([make_row(0, "1", "1")], {"path": reward_file}, num_workers=3, timeout_s=5, pool=pool)
+        with pytest.raises(ValueError, match=r"custom_reward_function .*with_details"):
+            score_batch([make_row(0, "1", "1")], {"path": reward_file, "name": "with_details"},
+                        num_workers=2, timeout_s=5, pool=pool)
+        with pytest.raises(ValueError, match=r"reward.timeout_s 1 \(pool: 5.0\)"):
+            score_batch([make_row(0, "1", "1")], {"path": reward_file}, num_workers=2, timeout_s=1, pool=pool)
+        assert pool.worker_pids == []
