@@ -12,10 +12,16 @@ data.shuffle, epoch e uses the permutation of numpy.random.default_rng([seed, e]
 order. Steps are numbered from 0 here: `batch_for_step(k)` is the (k+1)-th batch drawn.
 A `DataPosition(epoch, index)` (index = prompts consumed in that epoch) is what to save for
 resume; `batch_at(position)` continues from it exactly. Pure: no storage or Prefect imports.
+
+Preparing the rows (reading, templating, tokenising) is what costs, and it depends only on a
+`RowSpec` and the tokenizer; `RLDataset.from_prepared` builds a dataset from rows prepared once
+(stages/dataset_cache.py keeps them per process and on disk, so a step only pays for its batch).
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -53,6 +59,55 @@ class Batch:
     position: DataPosition  # where this batch starts
     next_position: DataPosition  # where the following batch starts (save this after the step)
     rows: list[PromptRow]
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """The data.* settings of one split that decide its prepared rows (not how they are batched:
+    batch size, shuffle and seed only choose among the same rows)."""
+    files: tuple[str, ...]
+    prompt_key: str
+    reward_fn_key: str
+    max_prompt_length: int
+    truncation: str
+    filter_overlong: bool
+    template_kwargs: dict
+    max_samples: int  # train_max_samples or val_max_samples; -1: all rows
+    trust_remote_code: bool  # how the tokenizer is loaded when one has to be
+
+    @classmethod
+    def from_config(cls, data_config: dict, split: str) -> "RowSpec":
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        cfg = data_config
+        truncation = cfg.get("truncation", "error")
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+        files_key = "train_files" if split == "train" else "val_files"
+        files = tuple(_as_list(cfg.get(files_key)))
+        if not files:
+            raise ValueError(f"data.{files_key} is empty")
+        samples_key = "train_max_samples" if split == "train" else "val_max_samples"
+        return cls(files=files, prompt_key=cfg.get("prompt_key", "prompt"),
+                   reward_fn_key=cfg.get("reward_fn_key", "data_source"),
+                   max_prompt_length=int(cfg.get("max_prompt_length", 512)), truncation=truncation,
+                   filter_overlong=bool(cfg.get("filter_overlong_prompts", False)),
+                   template_kwargs=dict(cfg.get("apply_chat_template_kwargs") or {}),
+                   max_samples=int(cfg.get(samples_key, -1) or -1),
+                   trust_remote_code=bool(cfg.get("trust_remote_code", False)))
+
+    def key_fields(self) -> dict:
+        """Everything but the file names: a cache keys on the files' contents instead."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "files"}
+
+
+@dataclass
+class PreparedRows:
+    """What preparing a split produces. `rows` is a list, or a read-only sequence decoding a
+    cache file on demand; datasets built from it share it, so it must not be mutated."""
+    rows: Sequence
+    filtered_count: int
+    truncated_count: int
 
 
 def _as_list(files) -> list[str]:
@@ -98,6 +153,62 @@ def read_parquet_rows(files: list[str]) -> list[dict]:
     return rows
 
 
+def prepare_rows(spec: RowSpec, tokenizer) -> PreparedRows:
+    """Read the spec's files, apply the chat template (add_generation_prompt=True), tokenise,
+    then filter or truncate the overlong prompts."""
+    records = read_parquet_rows(list(spec.files))
+    if 0 < spec.max_samples < len(records):
+        records = records[:spec.max_samples]
+    if records and spec.prompt_key not in records[0]:
+        raise KeyError(
+            f"prompt column {spec.prompt_key!r} (data.prompt_key) not in {list(spec.files)}; "
+            f"columns: {sorted(records[0])}"
+        )
+    texts = []
+    for number, record in enumerate(records):
+        messages = record.get(spec.prompt_key)
+        if not messages or not all(isinstance(m, dict) and m.get("content") for m in messages):
+            raise ValueError(f"row {number}: empty prompt (column {spec.prompt_key!r}): {messages!r}")
+        if spec.reward_fn_key not in record:
+            raise KeyError(f"row {number}: no {spec.reward_fn_key!r} column (data.reward_fn_key)")
+        texts.append(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **spec.template_kwargs))
+    all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    rows, filtered, truncated = [], 0, 0
+    for number, (record, ids) in enumerate(zip(records, all_ids)):
+        if len(ids) > spec.max_prompt_length:
+            if spec.filter_overlong:
+                filtered += 1
+                continue
+            ids = truncate_ids(ids, spec.max_prompt_length, spec.truncation, row=number)
+            truncated += 1
+        extra = dict(record.get("extra_info") or {})
+        reward_model = record.get("reward_model") or {}
+        rows.append(PromptRow(
+            index=int(extra.get("index", number)),
+            row=number,
+            messages=[dict(m) for m in record[spec.prompt_key]],
+            prompt_ids=list(ids),
+            data_source=str(record[spec.reward_fn_key]),
+            ground_truth=reward_model.get("ground_truth"),
+            extra_info=extra,
+            truncated=len(ids) != len(all_ids[number]),
+        ))
+    return PreparedRows(rows, filtered, truncated)
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(n: int, seed: int, epoch: int):
+    """An epoch's shuffled order, computed once per process: at 100k prompts drawing it costs
+    more than everything else a step does to pick its batch."""
+    import numpy as np
+
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    order.flags.writeable = False
+    return order
+
+
 class RLDataset:
     """Prompts for RL steps. `data_config` is the config's `data` section as a plain dict;
     split is "train" (train_files, train_batch_size, shuffle, drop_last) or "val" (val_files,
@@ -106,45 +217,52 @@ class RLDataset:
 
     def __init__(self, data_config: dict, tokenizer, split: str = "train", fallback_seed: int = 0,
                  drop_last: bool | None = None):
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        self._configure(data_config, split, fallback_seed, drop_last)
+        self._adopt(prepare_rows(self.spec, tokenizer))
+
+    @classmethod
+    def from_prepared(cls, data_config: dict, prepared: PreparedRows, split: str = "train",
+                      fallback_seed: int = 0, drop_last: bool | None = None) -> "RLDataset":
+        """The dataset `RLDataset(data_config, tokenizer, ...)` would be, from rows prepared
+        earlier with the same RowSpec and tokenizer (the caller vouches for that)."""
+        dataset = cls.__new__(cls)
+        dataset._configure(data_config, split, fallback_seed, drop_last)
+        dataset._adopt(prepared)
+        return dataset
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def _configure(self, data_config: dict, split: str, fallback_seed: int, drop_last):
         cfg = dict(data_config)
+        self.spec = RowSpec.from_config(cfg, split)
         self.split = split
-        self.prompt_key = cfg.get("prompt_key", "prompt")
-        self.reward_fn_key = cfg.get("reward_fn_key", "data_source")
-        self.max_prompt_length = int(cfg.get("max_prompt_length", 512))
-        self.truncation = cfg.get("truncation", "error")
-        if self.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
-        self.filter_overlong = bool(cfg.get("filter_overlong_prompts", False))
+        self.prompt_key = self.spec.prompt_key
+        self.reward_fn_key = self.spec.reward_fn_key
+        self.max_prompt_length = self.spec.max_prompt_length
+        self.truncation = self.spec.truncation
+        self.filter_overlong = self.spec.filter_overlong
         seed = cfg.get("seed")
         self.seed = int(fallback_seed if seed is None else seed)
-        files_key = "train_files" if split == "train" else "val_files"
-        self.files = _as_list(cfg.get(files_key))
-        if not self.files:
-            raise ValueError(f"data.{files_key} is empty")
+        self.files = list(self.spec.files)
         if split == "train":
             self.shuffle = bool(cfg.get("shuffle", True))
             self.drop_last = True if drop_last is None else bool(drop_last)
-            max_samples = int(cfg.get("train_max_samples", -1) or -1)
+            self._batch_setting = int(cfg.get("train_batch_size", 0))
         else:
             self.shuffle = bool(cfg.get("validation_shuffle", False))
             self.drop_last = False if drop_last is None else bool(drop_last)
-            max_samples = int(cfg.get("val_max_samples", -1) or -1)
-        template_kwargs = dict(cfg.get("apply_chat_template_kwargs") or {})
+            self._batch_setting = cfg.get("val_batch_size")
+        self.cache_info = None  # set by stages.dataset_cache.load_rl_dataset
 
-        records = read_parquet_rows(self.files)
-        if 0 < max_samples < len(records):
-            records = records[:max_samples]
-        self.rows, self.filtered_count, self.truncated_count = self._prepare(
-            records, tokenizer, template_kwargs)
-        if not self.rows:
+    def _adopt(self, prepared: PreparedRows):
+        self.rows = prepared.rows
+        self.filtered_count, self.truncated_count = prepared.filtered_count, prepared.truncated_count
+        if not len(self.rows):
             raise ValueError(f"no prompts left in {self.files} (filtered {self.filtered_count} overlong)")
-
-        if split == "train":
-            self.batch_size = int(cfg.get("train_batch_size", 0))
+        if self.split == "train":
+            self.batch_size = self._batch_setting
         else:
-            self.batch_size = int(cfg.get("val_batch_size") or len(self.rows))
+            self.batch_size = int(self._batch_setting or len(self.rows))
         if self.batch_size <= 0:
             raise ValueError(f"batch size must be > 0, got {self.batch_size}")
         if self.drop_last and len(self.rows) < self.batch_size:
@@ -152,47 +270,6 @@ class RLDataset:
                 f"{len(self.rows)} prompts < batch size {self.batch_size} with drop_last: an epoch "
                 "would have no step"
             )
-
-    # -- loading -----------------------------------------------------------------------------
-
-    def _prepare(self, records, tokenizer, template_kwargs):
-        if records and self.prompt_key not in records[0]:
-            raise KeyError(
-                f"prompt column {self.prompt_key!r} (data.prompt_key) not in {self.files}; "
-                f"columns: {sorted(records[0])}"
-            )
-        texts = []
-        for number, record in enumerate(records):
-            messages = record.get(self.prompt_key)
-            if not messages or not all(isinstance(m, dict) and m.get("content") for m in messages):
-                raise ValueError(f"row {number}: empty prompt (column {self.prompt_key!r}): {messages!r}")
-            if self.reward_fn_key not in record:
-                raise KeyError(f"row {number}: no {self.reward_fn_key!r} column (data.reward_fn_key)")
-            texts.append(tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **template_kwargs))
-        all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-
-        rows, filtered, truncated = [], 0, 0
-        for number, (record, ids) in enumerate(zip(records, all_ids)):
-            if len(ids) > self.max_prompt_length:
-                if self.filter_overlong:
-                    filtered += 1
-                    continue
-                ids = truncate_ids(ids, self.max_prompt_length, self.truncation, row=number)
-                truncated += 1
-            extra = dict(record.get("extra_info") or {})
-            reward_model = record.get("reward_model") or {}
-            rows.append(PromptRow(
-                index=int(extra.get("index", number)),
-                row=number,
-                messages=[dict(m) for m in record[self.prompt_key]],
-                prompt_ids=list(ids),
-                data_source=str(record[self.reward_fn_key]),
-                ground_truth=reward_model.get("ground_truth"),
-                extra_info=extra,
-                truncated=len(ids) != len(all_ids[number]),
-            ))
-        return rows, filtered, truncated
 
     def summary(self) -> str:
         return (
@@ -215,11 +292,13 @@ class RLDataset:
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Row order of one epoch: a permutation seeded by (seed, epoch), or file order."""
-        if not self.shuffle:
-            return list(range(len(self.rows)))
-        import numpy as np
+        order = self._order(epoch)
+        return list(order) if isinstance(order, range) else order.tolist()
 
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows)).tolist()
+    def _order(self, epoch: int):
+        if not self.shuffle:
+            return range(len(self.rows))
+        return _permutation(len(self.rows), self.seed, epoch)
 
     def position_for_step(self, global_step: int) -> DataPosition:
         if global_step < 0:
@@ -248,8 +327,7 @@ class RLDataset:
         remaining = len(self.rows) - start
         if remaining <= 0 or (self.drop_last and remaining < self.batch_size):
             epoch, start = epoch + 1, 0
-        order = self.epoch_order(epoch)
-        chosen = order[start:start + self.batch_size]
+        chosen = [int(i) for i in self._order(epoch)[start:start + self.batch_size]]
         end = start + len(chosen)
         next_position = DataPosition(epoch, end)
         left = len(self.rows) - end
@@ -260,5 +338,11 @@ class RLDataset:
             epoch=epoch,
             position=DataPosition(epoch, start),
             next_position=next_position,
-            rows=[self.rows[i] for i in chosen],
+            rows=_pick(self.rows, chosen),
         )
+
+
+def _pick(rows, indices: list[int]) -> list:
+    """rows[i] for each index; a lazily decoded sequence decodes them in one go (`take`)."""
+    take = getattr(rows, "take", None)
+    return take(indices) if take is not None else [rows[i] for i in indices]

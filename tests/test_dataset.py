@@ -1,14 +1,25 @@
 """The RL prompt dataset (stages/dataset.py): verl's data.* keys, truncation, filtering, shuffling,
-epochs and resumable positions."""
+epochs and resumable positions; and its rows prepared once per key (stages/dataset_cache.py:
+equal to the uncached dataset, kept in memory, read back from disk by a new process, rebuilt
+when the files, settings or tokenizer change or the cache file is damaged)."""
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from stages import dataset_cache
 from stages.data_tools import make_arith_dataset, write_rows
 from stages.dataset import DataPosition, RLDataset, truncate_ids
+from stages.dataset_cache import DatasetCacheWarning, load_rl_dataset
 from stages.tiny_model import train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +168,217 @@ def test_bad_input_names_the_key_or_row(tmp_path, tokenizer):
         RLDataset(_config(str(tmp_path / "empty.parquet")), tokenizer)
     with pytest.raises(FileNotFoundError, match="nowhere.parquet"):
         RLDataset(_config(str(tmp_path / "nowhere.parquet")), tokenizer)
+
+
+# -- load_rl_dataset: rows prepared once per key (stages/dataset_cache.py) ------------------------
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_memory():
+    """Every test starts as a new process would: nothing prepared in memory."""
+    dataset_cache.clear_memory_cache()
+    yield
+    dataset_cache.clear_memory_cache()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+class CountingTokenizer:
+    """A real tokenizer that counts the calls that template or tokenise."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return self.real.apply_chat_template(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _mixed_file(tmp_path, tokenizer):
+    """6 short prompts then 3 long ones; returns (path, length of the longest short prompt)."""
+    short = make_arith_dataset(6, seed=0, difficulty=1)
+    long = make_arith_dataset(3, seed=0, difficulty=5)
+    for row in long:
+        row["prompt"][0]["content"] += " Please think about it step by step, then answer." * 3
+    path = write_rows(short + long, tmp_path / "mixed.parquet")
+    return str(path), max(len(_templated(tokenizer, r["prompt"])) for r in short)
+
+
+def _assert_same_dataset(cached, plain, steps=7):
+    assert cached.rows == plain.rows and len(cached) == len(plain)
+    assert [r.prompt_ids for r in cached.rows] == [r.prompt_ids for r in plain.rows]
+    assert (cached.filtered_count, cached.truncated_count) == (plain.filtered_count, plain.truncated_count)
+    assert (cached.steps_per_epoch, cached.batch_size, cached.seed, cached.shuffle) == \
+        (plain.steps_per_epoch, plain.batch_size, plain.seed, plain.shuffle)
+    assert cached.epoch_order(1) == plain.epoch_order(1)
+    for step in range(steps):
+        ours, theirs = cached.batch_for_step(step), plain.batch_for_step(step)
+        assert ours.rows == theirs.rows and ours.epoch == theirs.epoch
+        assert (ours.position, ours.next_position) == (theirs.position, theirs.next_position)
+        assert cached.position_for_step(step) == plain.position_for_step(step)
+        assert cached.batch_at(ours.next_position).rows == plain.batch_at(theirs.next_position).rows
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+@pytest.mark.parametrize("setting", ["plain", "filter", "truncate"])
+def test_cached_dataset_equals_uncached(tmp_path, tokenizer, tokenizer_dir, split, setting):
+    path, short = _mixed_file(tmp_path, tokenizer)
+    overrides = {"plain": {"max_prompt_length": 200},
+                 "filter": {"max_prompt_length": short, "filter_overlong_prompts": True},
+                 "truncate": {"max_prompt_length": short, "truncation": "middle"}}[setting]
+    config = _config(path, train_batch_size=2, val_batch_size=4, validation_shuffle=True, **overrides)
+    plain = RLDataset(config, tokenizer, split=split, fallback_seed=5)
+    expected = {"plain": (9, 0, 0), "filter": (6, 3, 0), "truncate": (9, 0, 3)}[setting]
+    assert (len(plain), plain.filtered_count, plain.truncated_count) == expected
+    sources = []
+    for _ in range(2):  # built, then read back from disk by a process that has nothing in memory
+        cached = load_rl_dataset(config, tokenizer_dir, split, fallback_seed=5, cache_dir=tmp_path / "cache")
+        sources.append(cached.cache_info["source"])
+        _assert_same_dataset(cached, plain)
+        assert cached.rows[-1] == plain.rows[-1] and cached.rows[1:3] == plain.rows[1:3]
+        dataset_cache.clear_memory_cache()
+    assert sources == ["built", "disk"]
+
+
+def test_second_call_in_a_process_does_not_tokenise(tmp_path, tokenizer, tokenizer_dir):
+    path = _arith(tmp_path, n=10)
+    counting = CountingTokenizer(tokenizer)
+    first = load_rl_dataset(_config(path), tokenizer_dir, cache_dir=tmp_path / "cache", tokenizer=counting)
+    assert counting.calls == 11  # one chat template per row, then one batched tokenisation
+    # batch-level keys choose among the same rows: same key, nothing tokenised again
+    again = load_rl_dataset(_config(path, train_batch_size=5, shuffle=False, seed=7), tokenizer_dir,
+                            cache_dir=tmp_path / "cache", tokenizer=counting)
+    assert counting.calls == 11 and again.cache_info["source"] == "memory"
+    assert again.cache_info["key"] == first.cache_info["key"]
+    assert [r.index for r in again.batch_for_step(1).rows] == [5, 6, 7, 8, 9]
+    # the next step's weights folder carries a copy of the same tokenizer: same key
+    copy = shutil.copytree(tokenizer_dir, tmp_path / "weights_step_1")
+    (copy / "model.safetensors").write_bytes(b"other weights")
+    moved = load_rl_dataset(_config(path), copy, cache_dir=tmp_path / "cache", tokenizer=counting)
+    assert counting.calls == 11 and moved.cache_info["key"] == first.cache_info["key"]
+    # a touched data file (new mtime, same content) keeps its key
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    touched = load_rl_dataset(_config(path), tokenizer_dir, tokenizer=counting)
+    assert counting.calls == 11 and touched.cache_info["key"] == first.cache_info["key"]
+
+
+_CHILD = """
+import json, sys
+from stages.dataset_cache import load_rl_dataset
+config, tokenizer_dir, cache_dir = json.loads(sys.argv[1])
+data = load_rl_dataset(config, tokenizer_dir, "train", 0, cache_dir=cache_dir)
+print(json.dumps({"source": data.cache_info["source"], "transformers": "transformers" in sys.modules,
+                  "batches": [[r.prompt_ids for r in data.batch_for_step(s).rows] for s in range(4)]}))
+"""
+
+
+def test_new_process_reads_the_disk_cache_without_tokenising(tmp_path, tokenizer, tokenizer_dir):
+    path = _arith(tmp_path, n=10)
+    config = _config(path, train_batch_size=3)
+    built = load_rl_dataset(config, tokenizer_dir, cache_dir=tmp_path / "cache")
+    assert built.cache_info["source"] == "built"
+    args = json.dumps([config, str(tokenizer_dir), str(tmp_path / "cache")])
+    out = subprocess.run([sys.executable, "-c", _CHILD, args], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    assert child["source"] == "disk" and child["transformers"] is False  # no tokenizer was loaded
+    plain = RLDataset(config, tokenizer)
+    assert child["batches"] == [[r.prompt_ids for r in plain.batch_for_step(s).rows] for s in range(4)]
+
+
+def test_edited_data_file_or_max_prompt_length_gives_new_rows(tmp_path, tokenizer, tokenizer_dir):
+    path = _arith(tmp_path, n=10)
+    cache = tmp_path / "cache"
+    first = load_rl_dataset(_config(path), tokenizer_dir, cache_dir=cache)
+    _arith(tmp_path, n=12, seed=3)  # the same file name, new content
+    edited = load_rl_dataset(_config(path), tokenizer_dir, cache_dir=cache)
+    assert edited.cache_info["source"] == "built" and edited.cache_info["key"] != first.cache_info["key"]
+    assert len(edited) == 12 and edited.rows == RLDataset(_config(path), tokenizer).rows
+    full = _templated(tokenizer, make_arith_dataset(12, seed=3, difficulty=2)[0]["prompt"])
+    shorter = load_rl_dataset(_config(path, max_prompt_length=9, truncation="left", shuffle=False),
+                              tokenizer_dir, cache_dir=cache)
+    assert shorter.cache_info["source"] == "built"
+    assert shorter.cache_info["key"] not in (first.cache_info["key"], edited.cache_info["key"])
+    assert shorter.rows[0].prompt_ids == full[-9:] and shorter.truncated_count == 12
+    assert len(list((cache / "datasets").glob("*.arrow"))) == 3
+
+
+def test_changed_tokenizer_file_changes_the_key(tmp_path, tokenizer, tokenizer_dir):
+    path = _arith(tmp_path, n=4)
+    first = load_rl_dataset(_config(path, shuffle=False), tokenizer_dir, cache_dir=tmp_path / "cache")
+    changed = shutil.copytree(tokenizer_dir, tmp_path / "changed")
+    template = changed / "chat_template.jinja"
+    template.write_text("{{- '<|im_start|>system\nBe brief.<|im_end|>\n' }}" + template.read_text())
+    other = load_rl_dataset(_config(path, shuffle=False), changed, cache_dir=tmp_path / "cache")
+    assert other.cache_info["source"] == "built" and other.cache_info["key"] != first.cache_info["key"]
+    system = tokenizer("<|im_start|>system\nBe brief.<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert other.rows[0].prompt_ids == system + first.rows[0].prompt_ids
+
+
+@pytest.mark.parametrize("damage", ["flipped bytes", "truncated", "no data file", "bad manifest"])
+def test_corrupt_cache_entry_is_rebuilt(tmp_path, tokenizer, tokenizer_dir, damage):
+    path = _arith(tmp_path, n=10)
+    cache = tmp_path / "cache"
+    built = load_rl_dataset(_config(path), tokenizer_dir, cache_dir=cache)
+    arrow = Path(built.cache_info["path"])
+    manifest = cache / "datasets" / f"{built.cache_info['key']}.json"
+    data = arrow.read_bytes()
+    if damage == "flipped bytes":
+        middle = len(data) // 2
+        flipped = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+        arrow.write_bytes(data[:middle] + flipped + data[middle + 8:])
+    elif damage == "truncated":
+        arrow.write_bytes(data[:len(data) // 3])
+    elif damage == "no data file":
+        arrow.unlink()
+    else:
+        manifest.write_text('{"format": 1, "fi')
+    dataset_cache.clear_memory_cache()
+    with pytest.warns(DatasetCacheWarning, match="unusable, rebuilding"):
+        rebuilt = load_rl_dataset(_config(path), tokenizer_dir, cache_dir=cache)
+    assert rebuilt.cache_info["source"] == "built" and rebuilt.rows == built.rows
+    assert arrow.read_bytes() == data  # the entry is whole again
+    dataset_cache.clear_memory_cache()
+    assert load_rl_dataset(_config(path), tokenizer_dir, cache_dir=cache).cache_info["source"] == "disk"
+
+
+def test_rows_that_json_cannot_hold_stay_in_memory(tmp_path, tokenizer, tokenizer_dir):
+    rows = make_arith_dataset(4, seed=0, difficulty=1)
+    for row in rows:
+        row["extra_info"]["raw"] = b"\x00\x01"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bytes.parquet")
+    config = _config(str(tmp_path / "bytes.parquet"))
+    with pytest.warns(DatasetCacheWarning, match="row 0: extra_info is not JSON"):
+        data = load_rl_dataset(config, tokenizer_dir, cache_dir=tmp_path / "cache")
+    assert data.cache_info["path"] is None and not (tmp_path / "cache" / "datasets").exists()
+    assert data.rows == RLDataset(config, tokenizer).rows
+    assert data.rows[2].extra_info["raw"] == b"\x00\x01"
+    again = load_rl_dataset(config, tokenizer_dir, cache_dir=tmp_path / "cache")
+    assert again.cache_info["source"] == "memory"
+
+
+def test_cache_bad_input_names_the_file_or_folder(tmp_path, tokenizer_dir):
+    path = _arith(tmp_path, n=4)
+    with pytest.raises(FileNotFoundError, match="data file not found: .*nowhere.parquet"):
+        load_rl_dataset(_config(str(tmp_path / "nowhere.parquet")), tokenizer_dir)
+    with pytest.raises(FileNotFoundError, match="tokenizer folder not found: .*no_model"):
+        load_rl_dataset(_config(path), tmp_path / "no_model")
+    (tmp_path / "weights_only").mkdir()
+    (tmp_path / "weights_only" / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="no tokenizer files .* in .*weights_only"):
+        load_rl_dataset(_config(path), tmp_path / "weights_only")
+    with pytest.raises(ValueError, match="data.val_files is empty"):
+        load_rl_dataset(_config(path, val_files=[]), tokenizer_dir, split="val")

@@ -1,0 +1,191 @@
+"""Dataset bench: what a step pays to get its batch (`load_rl_dataset` + `batch_for_step`) with a
+100k-row vs a 1k-row arithmetic dataset (stages/data_tools.py) and the tiny model's tokenizer
+(stages.tiny_model.save_tiny_model). Prints JSON and writes bench/results/dataset.json.
+
+    python bench/dataset.py [--sizes 1000,100000] [--steps 200] [--batch 60]
+
+Per size, each case in its own process:
+- uncached: `RLDataset(data, tokenizer)` + the batch, what every step paid before the cache;
+- cold: the first call of a run (tokenises, writes the disk cache);
+- warm, same process: steps 2..N, each asking with the next step's weights folder (a new
+  folder holding a copy of the same tokenizer, as in a run) and, separately, with one folder;
+- fresh process, disk cache: a new process's first step (reads and verifies the cache file), its
+  later steps, and the process's wall time from start to exit (interpreter and imports included).
+  Its rows are decoded when a batch first uses them, so its steps are compared over the small
+  dataset's first epoch (every step decodes its batch at both sizes; later, the small dataset is
+  all decoded and its steps only look rows up).
+Per-step times are medians over the steps. The cases' processes import first what a rollout
+process has already imported (pyarrow.compute through storage/schemas.py, importlib.metadata
+through transformers): those one-off imports are not the dataset's cost.
+Goal: warm per-step ratio 100k/1k <= 1.1.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
+sys.path.insert(0, str(REPO))
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json")
+
+
+def _config(data_file: str, batch: int) -> dict:
+    return {"train_files": data_file, "val_files": data_file, "train_batch_size": batch,
+            "max_prompt_length": 64, "truncation": "error", "shuffle": True, "seed": 1}
+
+
+def _median_ms(values) -> float:
+    return round(statistics.median(values) * 1e3, 4)
+
+
+def _step(config, folder, cache, step):
+    from stages.dataset_cache import load_rl_dataset
+
+    t0 = time.perf_counter()
+    data = load_rl_dataset(config, folder, "train", 0, cache_dir=cache)
+    batch = data.batch_for_step(step)
+    elapsed = time.perf_counter() - t0
+    assert len(batch.rows) == config["train_batch_size"]
+    return elapsed, data.cache_info["source"]
+
+
+def child(case: str, args) -> dict:
+    """One case, in this (fresh) process."""
+    started = float(os.environ["BENCH_STARTED"])
+    t0 = time.perf_counter()
+    import importlib.metadata  # noqa: F401
+    import numpy  # noqa: F401
+    import pyarrow.compute  # noqa: F401
+
+    from stages import dataset_cache  # noqa: F401
+    imports_s = time.perf_counter() - t0
+    config, folders, cache = _config(args.data, args.batch), args.folders.split(","), args.cache
+    if case == "uncached":
+        from stages.dataset import RLDataset
+        from stages.models import load_tokenizer
+
+        t0 = time.perf_counter()
+        batch = RLDataset(config, load_tokenizer(folders[0])).batch_for_step(0)
+        assert len(batch.rows) == args.batch
+        return {"uncached_step_s": round(time.perf_counter() - t0, 4)}
+    first, source = _step(config, folders[0], cache, 0)
+    out = {"imports_s": round(imports_s, 4), "first_step_s": round(first, 5), "first_source": source}
+    moving = [_step(config, folders[s], cache, s) for s in range(1, len(folders))]
+    first_epoch = moving[:args.min_rows // args.batch - 1]  # steps 2.. of the small dataset's epoch 0
+    out["first_epoch_step_ms"] = _median_ms([t for t, _ in first_epoch])
+    same = [_step(config, folders[0], cache, s) for s in range(len(folders), 2 * len(folders))]
+    assert {s for _, s in moving + same} == {"memory"}, "a warm step prepared rows again"
+    out["warm_step_ms"] = _median_ms([t for t, _ in moving])
+    out["warm_step_p90_ms"] = round(sorted(t for t, _ in moving)[int(0.9 * len(moving))] * 1e3, 4)
+    out["warm_step_same_folder_ms"] = _median_ms([t for t, _ in same])
+    out["since_process_start_s"] = round(time.time() - started, 4)
+    return out
+
+
+def _run_child(case: str, data: str, folders: list, cache: str, batch: int, min_rows: int) -> dict:
+    t0 = time.perf_counter()
+    env = {**os.environ, "BENCH_STARTED": repr(time.time()), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, __file__, "--child", case, "--data", data, "--batch", str(batch),
+                           "--folders", ",".join(map(str, folders)), "--cache", cache,
+                           "--min-rows", str(min_rows)],
+                          capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode:
+        raise RuntimeError(f"{case} child failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_wall_s"] = round(time.perf_counter() - t0, 4)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1000,100000")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=60)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "dataset.json"))
+    parser.add_argument("--child")
+    parser.add_argument("--data")
+    parser.add_argument("--folders")
+    parser.add_argument("--cache")
+    parser.add_argument("--min-rows", type=int)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return
+
+    from stages.data_tools import write_arith_dataset
+    from stages.tiny_model import save_tiny_model
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="stagerl-bench-dataset-"))
+    try:
+        model = save_tiny_model(work / "model")
+        folders = []  # one weights folder per step, each with a copy of the same tokenizer
+        for step in range(args.steps):
+            folder = work / "weights" / f"step_{step:06d}"
+            folder.mkdir(parents=True)
+            for name in TOKENIZER_FILES:
+                shutil.copy2(model / name, folder / name)
+            folders.append(folder)
+        runs = {}
+        for n in sizes:
+            data = str(write_arith_dataset(work / f"arith-{n}.parquet", n=n, seed=0, difficulty=2))
+            cache = str(work / f"cache-{n}")
+            row = {"rows": n, "data_file_bytes": os.path.getsize(data)}
+            uncached = _run_child("uncached", data, folders[:1], cache, args.batch, min(sizes))
+            row["uncached_step_s"] = uncached["uncached_step_s"]
+            cold = _run_child("cold", data, folders, cache, args.batch, min(sizes))
+            assert cold["first_source"] == "built"
+            fresh = _run_child("fresh", data, folders, cache, args.batch, min(sizes))
+            assert fresh["first_source"] == "disk"
+            row["cache_file_bytes"] = sum(p.stat().st_size for p in Path(cache, "datasets").glob("*.arrow"))
+            row["cold"] = cold
+            row["fresh_process"] = fresh
+            runs[n] = row
+            print(f"{n} rows: uncached step {row['uncached_step_s']} s, cold {cold['first_step_s']} s, "
+                  f"warm {cold['warm_step_ms']} ms/step, fresh process first step "
+                  f"{fresh['first_step_s']} s then {fresh['first_epoch_step_ms']} ms/step "
+                  f"(wall {fresh['process_wall_s']} s)", file=sys.stderr)
+        small, large = runs[min(sizes)], runs[max(sizes)]
+        compared = {  # ratio name: (case, figure); case None: a figure of the size itself
+            "warm_step_same_process": ("cold", "warm_step_ms"),
+            "warm_step_same_process_same_folder": ("cold", "warm_step_same_folder_ms"),
+            "warm_step_same_process_first_epoch": ("cold", "first_epoch_step_ms"),
+            "warm_step_fresh_process_first_epoch": ("fresh_process", "first_epoch_step_ms"),
+            "fresh_process_first_step": ("fresh_process", "first_step_s"),
+            "fresh_process_wall": ("fresh_process", "process_wall_s"),
+            "cold_first_step": ("cold", "first_step_s"),
+            "uncached_step": (None, "uncached_step_s"),
+        }
+
+        def figure(run, case, name):
+            return (run[case] if case else run)[name]
+
+        result = {
+            "cpus": os.cpu_count(), "steps": args.steps, "batch_prompts": args.batch,
+            "sizes": runs,
+            "ratio_large_over_small": {
+                name: round(figure(large, *what) / figure(small, *what), 3)
+                for name, what in compared.items()},
+            "goal": "warm_step_same_process and warm_step_fresh_process_first_epoch <= 1.1",
+        }
+        ratios = result["ratio_large_over_small"]
+        result["goal_met"] = max(ratios["warm_step_same_process"],
+                                 ratios["warm_step_fresh_process_first_epoch"]) <= 1.1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
