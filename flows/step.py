@@ -29,14 +29,22 @@ from storage.store import Store, StoreError
 STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: stages)
 REMOTE_STAGES = ("rollout", "update")
 _RUNS: dict = {}  # run_uri -> (cfg, plan, store): what the training flow resolved in this process
+_SESSIONS: dict = {}  # run_uri -> stages.session.RunSession of the training flow running it here
 
 
 # ---- run registry and contexts -------------------------------------------------------------
-def register_run(cfg: dict, plan: dict, store: Store) -> str:
-    """Remember a resolved run in this process; returns its URI (what tasks receive)."""
+def register_run(cfg: dict, plan: dict, store: Store, session=None) -> str:
+    """Remember a resolved run (and the session keeping its workers) in this process; returns
+    its URI (what tasks receive). Tasks only pass the URI; the session stays in this process."""
     run_uri = store.url(RunLayout.from_config(cfg).base)
     _RUNS[run_uri] = (cfg, plan, store)
+    if session is not None:
+        _SESSIONS[run_uri] = session
     return run_uri
+
+
+def unregister_session(run_uri: str) -> None:
+    _SESSIONS.pop(run_uri, None)
 
 
 def split_run_uri(run_uri: str) -> tuple[str, str, str]:
@@ -73,6 +81,7 @@ def make_context(run_uri: str, step: int, extra: dict | None = None):
     cfg, plan, store = open_run(run_uri)
     ctx = StageContext.create(cfg, plan, step, store=store)
     ctx.extra = dict(extra or {})
+    ctx.session = _SESSIONS.get(run_uri)
     return ctx
 
 

@@ -14,8 +14,9 @@ import time
 from prefect import flow
 
 from flows.step import (check_stage_deployments, logger, make_context, register_run, rl_step,
-                        run_step_subflow, step_is_complete, subflow_heartbeats_off)
+                        run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from flows.step_report import log_line, step_metrics, wait_published
+from stages.session import RunSession
 from storage.artifacts import fingerprint, read_run_json, write_run_json
 from storage.layout import RunLayout
 from storage.lock import ExperimentLock
@@ -116,15 +117,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 # ---- schedule -------------------------------------------------------------------------------
-def load_dataset(cfg: dict, split: str = "train"):
-    from transformers import AutoTokenizer
-
-    from stages.dataset import RLDataset
+def load_dataset(cfg: dict, store: Store, split: str = "train"):
+    """The training prompts (tokenised once: the rollout stage reads the same cached rows)."""
+    from stages.dataset_cache import load_rl_dataset
 
     model = os.path.expanduser(cfg["actor_rollout_ref"]["model"]["path"])
-    tokenizer = AutoTokenizer.from_pretrained(
-        model, trust_remote_code=bool(cfg["data"].get("trust_remote_code")))
-    return RLDataset(cfg["data"], tokenizer, split=split, fallback_seed=cfg["trainer"]["seed"])
+    cache = os.path.expanduser(cfg["storage"].get("cache_dir") or store.cache_dir)
+    return load_rl_dataset(cfg["data"], model, split, cfg["trainer"]["seed"], cache_dir=cache)
 
 
 def total_steps(cfg: dict, steps_per_epoch: int) -> int:
@@ -212,15 +211,15 @@ def validate(run_uri: str, step: int, extra: dict) -> dict | None:
         return {}
     import pyarrow as pa
 
-    from stages.reward import scoring_rows
+    from stages.reward import reward_fn_spec, scoring_rows
     from stages.reward_fns import score_batch
 
     key = ctx.get("data.reward_fn_key", "data_source")
-    spec = {"path": ctx.get("custom_reward_function.path"),
-            "name": ctx.get("custom_reward_function.name")}
+    spec = reward_fn_spec(ctx)  # the reward stage's: the same function, kwargs and pool
+    workers, timeout = int(ctx.get("reward.num_workers", 2)), float(ctx.get("reward.timeout_s", 10.0))
+    pool = ctx.session.scorers(spec, workers, timeout) if ctx.session is not None else None
     results, _ = score_batch(scoring_rows(pa.Table.from_pylist(rows), key), spec,
-                             num_workers=int(ctx.get("reward.num_workers", 2)),
-                             timeout_s=float(ctx.get("reward.timeout_s", 10.0)))
+                             num_workers=workers, timeout_s=timeout, pool=pool)
     by_source: dict = {}
     for row, result in zip(rows, results):
         by_source.setdefault(row.get(key), []).append(float(result["score"]))
@@ -242,18 +241,25 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
     check_stage_deployments(cfg)  # multi-pool mode: refuse missing/misplaced deployments first
     lock = acquire_lock(store, layout, force_lock)
     sinks = MetricSinks(cfg)
-    pool = None
+    pool, run_uri = None, None
+    session = RunSession()  # the run's resident workers (rollout engines, reward scorers)
     try:
         check_run_json(store, layout, cfg, plan,
                        {"config": config, "overrides": list(overrides or []),
                         "experiment_name": experiment_name})
-        run_uri = register_run(cfg, plan, store)
-        dataset = load_dataset(cfg)
+        run_uri = register_run(cfg, plan, store, session)
+        dataset = load_dataset(cfg, store)
         total = total_steps(cfg, dataset.steps_per_epoch)
         trainer, orch = cfg["trainer"], cfg["orchestration"]
         print(f"run {run_uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
         done, ran, last = [], [], {}
+        if orch["mode"] == "local":  # rollout runs in this process's session: start its engines now
+            from flows.step import stage_module
+
+            warm = getattr(stage_module("rollout"), "warm_up", None)
+            if warm is not None:
+                warm(make_context(run_uri, 1, step_extra(dataset, 1, total)))
         if (cfg.get("warmstart") or {}).get("enable"):  # stages.warmstart: step 0, once, resumable
             from flows.step import task_result, retry_options, stage_task
 
@@ -290,6 +296,9 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
         wait_published()
         if pool is not None:
             pool.close()
+        if run_uri is not None:
+            unregister_session(run_uri)
+        session.close()
         sinks.close()
         lock.release()
 

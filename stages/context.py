@@ -36,6 +36,7 @@ class StageContext:
     layout: RunLayout
     step: int
     extra: dict = field(default_factory=dict)  # flow-provided state (e.g. dataset position, KL controller)
+    session: object = None  # stages.session.RunSession of a training run (never serialised), or None
 
     @classmethod
     def create(cls, cfg: dict, plan: dict, step: int, store: Store | None = None) -> "StageContext":

@@ -23,7 +23,7 @@ import hashlib
 import json
 import time
 
-from stages.engines import EngineOptions, Sampling, derive_seed, generate
+from stages.engines import EngineOptions, Sampling, derive_seed
 
 STAGE = "rollout"
 INPUTS = ()
@@ -54,7 +54,29 @@ def _engine_options(ctx, model_dir) -> EngineOptions:
     return EngineOptions(model_dir=model_dir, rollout=dict(ctx.get(ROLLOUT) or {}), device=device,
                          num_replicas=int(plan_rollout.get("num_replicas") or 1),
                          prompts_per_replica=plan_rollout.get("prompts_per_replica"),
-                         max_model_len=int(max_len), engine_seed=_base_seed(ctx))
+                         max_model_len=int(max_len),
+                         engine_seed=derive_seed(ctx.get("trainer.seed", 0), ctx.get(f"{ROLLOUT}.seed", 0) or 0))
+
+
+def rollout_engines(ctx):
+    """The run's resident engines (ctx.session), or engines started for this call only."""
+    if ctx.session is not None:
+        return ctx.session.engines()
+    from stages.engines.service import RolloutEngines
+
+    return RolloutEngines(resident=False)
+
+
+def warm_up(ctx) -> None:
+    """Start the run's resident engines now, in the background, from the initial model folder
+    (same architecture; each step loads its own weights in place): the engine start-up (vLLM:
+    seconds on a CPU, a minute or more on a GPU) overlaps the rest of the run's set-up."""
+    if ctx.session is None:
+        return
+    from stages.models import check_model_folder
+
+    model_dir = check_model_folder(ctx.reference_weights(initial=True), "actor_rollout_ref.model.path")
+    ctx.session.engines().warm_up(ctx.get(f"{ROLLOUT}.name", "hf"), _engine_options(ctx, model_dir))
 
 
 def _base_seed(ctx, purpose: str = STAGE) -> int:
@@ -82,11 +104,11 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     base = _base_seed(ctx, purpose)
     seeds = [derive_seed(base, row) for row in range(len(prompt_ids))]
     options = _engine_options(ctx, model_dir)
-    options.engine_seed = base
+    options.step_seed = base
     if purpose != STAGE:
         options.prompts_per_replica = None  # not a training batch: split evenly over the replicas
     engine = ctx.get(f"{ROLLOUT}.name", "hf")
-    gens = generate(engine, prompt_ids, seeds, sampling, options)
+    gens = rollout_engines(ctx).generate(engine, prompt_ids, seeds, sampling, options)
 
     prompt_text = tokenizer.batch_decode([p.prompt_ids for p in prompts], skip_special_tokens=False)
     responses = tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
@@ -110,14 +132,25 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     return columns, {"engine": engine, **options.timings}
 
 
-def _dataset(ctx, tokenizer, split: str):
-    from stages.dataset import RLDataset
+def _dataset(ctx, tokenizer, split: str, model_dir):
+    """The split's prompts, tokenised once per run: rows are cached by the data files' and the
+    tokenizer files' content (stages.dataset_cache), in memory and in the local cache dir."""
+    from stages.dataset_cache import load_rl_dataset
 
-    return RLDataset(dict(ctx.get("data") or {}), tokenizer, split=split,
-                     fallback_seed=int(ctx.get("trainer.seed", 0) or 0))
+    return load_rl_dataset(dict(ctx.get("data") or {}), model_dir, split,
+                           int(ctx.get("trainer.seed", 0) or 0), cache_dir=local_cache_dir(ctx),
+                           tokenizer=tokenizer)
+
+
+def local_cache_dir(ctx):
+    from pathlib import Path
+
+    return Path(ctx.get("storage.cache_dir") or ctx.store.cache_dir).expanduser()
 
 
 def _model_and_tokenizer(ctx):
+    """The policy folder this step samples from and its tokenizer (loaded once per run when the
+    run has a session: every step's folder carries a copy of the same tokenizer files)."""
     from stages.models import check_model_folder, load_tokenizer
 
     model_dir = ctx.actor_weights()
@@ -125,7 +158,12 @@ def _model_and_tokenizer(ctx):
         check_model_folder(model_dir, "policy model")
     except FileNotFoundError as err:
         raise FileNotFoundError(f"actor_rollout_ref.model.path (or the step's weights): {err}") from None
-    return model_dir, load_tokenizer(model_dir)
+    if ctx.session is None:
+        return model_dir, load_tokenizer(model_dir)
+    from stages.dataset_cache import tokenizer_fingerprint
+
+    key = ("tokenizer", json.dumps(tokenizer_fingerprint(model_dir), sort_keys=True, default=str))
+    return model_dir, ctx.session.memo(key, lambda: load_tokenizer(model_dir))
 
 
 def run(ctx) -> dict:
@@ -134,7 +172,7 @@ def run(ctx) -> dict:
 
     t0 = time.perf_counter()
     model_dir, tokenizer = _model_and_tokenizer(ctx)
-    dataset = _dataset(ctx, tokenizer, "train")
+    dataset = _dataset(ctx, tokenizer, "train", model_dir)
     batch = dataset.batch_for_step(ctx.step - 1)
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")))
     t_data = time.perf_counter()
@@ -166,7 +204,7 @@ def generate_validation(ctx) -> list[dict]:
     """Sample the validation set (data.val_files) with rollout.val_kwargs; one dict per row
     (the rollout columns), seeded by (trainer.seed, step, "validation")."""
     model_dir, tokenizer = _model_and_tokenizer(ctx)
-    dataset = _dataset(ctx, tokenizer, "val")
+    dataset = _dataset(ctx, tokenizer, "val", model_dir)
     prompts = [dataset.rows[i] for i in dataset.epoch_order(0)]
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")),
                                      validation=True)

@@ -75,7 +75,10 @@ def run(ctx) -> dict:
         for role in roles:
             save_folder(ctx.store, work / f"{role}_state", f"{state_key(ctx.layout, ctx.step)}/{role}",
                         extra={"step": ctx.step, "world": world})
-        save_weights(ctx.store, ctx.layout, ctx.step, work / "actor_hf", extra={"step": ctx.step})
+        # the exported folder becomes this machine's cached copy: step k+1's rollout loads it
+        # into its engine straight from here, nothing is downloaded back
+        save_weights(ctx.store, ctx.layout, ctx.step, work / "actor_hf", extra={"step": ctx.step},
+                     adopt_into=ctx.get("storage.cache_dir") or ctx.store.cache_dir)
         if "critic" in roles:
             save_folder(ctx.store, work / "critic_hf", ctx.layout.critic_weights(ctx.step),
                         extra={"step": ctx.step})

@@ -26,8 +26,11 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
-def save_folder(store: Store, local_dir, key: str, extra=None) -> dict:
-    """Upload every file under `local_dir` to `key/` and commit it with a manifest."""
+def save_folder(store: Store, local_dir, key: str, extra=None, adopt_into=None) -> dict:
+    """Upload every file under `local_dir` to `key/` and commit it with a manifest. With
+    `adopt_into` (a cache dir) the local folder is then MOVED into that cache as the copy of the
+    uploaded folder (its files are the ones just hashed), so a reader on this machine, e.g. the
+    next step's rollout engine, loads it without downloading it back."""
     local_dir = Path(local_dir)
     files = sorted(p for p in local_dir.rglob("*") if p.is_file())
     if not files:
@@ -49,7 +52,29 @@ def save_folder(store: Store, local_dir, key: str, extra=None) -> dict:
                 "extra": extra or {}}
     manifest = scrub(manifest, store.secret_values)
     store.write_json(f"{key}/{WEIGHTS_MANIFEST}", manifest)
+    if adopt_into is not None:
+        adopt_folder(local_dir, manifest["checksum"], adopt_into)
     return manifest
+
+
+def adopt_folder(local_dir, checksum: str, cache_dir) -> Path | None:
+    """Move a folder whose files match the manifest `checksum` into the cache (same layout and
+    `.complete` marker as load_folder); None when the cache already has it."""
+    cache = Path(cache_dir) / "folders"
+    target = cache / checksum
+    if (target / ".complete").exists():
+        return None
+    cache.mkdir(parents=True, exist_ok=True)
+    (Path(local_dir) / ".complete").write_text(checksum)
+    try:
+        os.rename(local_dir, target)
+    except OSError:
+        if (target / ".complete").exists():
+            return None  # another process adopted the same folder first
+        tmp = cache / f".tmp-{checksum[:16]}-{uuid.uuid4().hex[:8]}"  # another file system: copy
+        shutil.copytree(local_dir, tmp)
+        os.rename(tmp, target)
+    return target
 
 
 def folder_manifest(store: Store, key: str) -> dict:
@@ -87,9 +112,9 @@ def load_folder(store: Store, key: str, cache_dir=None) -> Path:
     return target
 
 
-def save_weights(store: Store, layout: RunLayout, k: int, local_dir, extra=None) -> dict:
+def save_weights(store: Store, layout: RunLayout, k: int, local_dir, extra=None, adopt_into=None) -> dict:
     """Export an HF folder as weights/step_k (what step k+1 samples from)."""
-    return save_folder(store, local_dir, layout.weights(k), extra=extra)
+    return save_folder(store, local_dir, layout.weights(k), extra=extra, adopt_into=adopt_into)
 
 
 def load_weights(store: Store, layout: RunLayout, k: int, cache_dir=None) -> Path:

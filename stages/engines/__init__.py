@@ -1,13 +1,23 @@
-"""Generation engines for the rollout stage, chosen by `actor_rollout_ref.rollout.name`:
+"""Generation engines for the rollout stage, chosen by `actor_rollout_ref.rollout.name`.
 
-- `hf`: transformers `generate`, batched with left padding, in this process (stages/engines/hf.py);
-- `vllm`: vLLM's offline `LLM`, one process per replica (stages/engines/vllm_worker.py), since GPU
-  memory is only reliably freed by exiting.
+The extension point: an engine is a class with the `Engine` interface below (start, load_weights,
+generate, sleep/wake, stop), registered by name in ENGINES; adding SGLang would be one new module
+and one line here. Built in:
+- `hf`: transformers `generate`, batched with left padding (stages/engines/hf.py);
+- `vllm`: vLLM's offline `LLM` (stages/engines/vllm_engine.py).
 
-Both take the same input: one row per response (the n responses of a prompt are n adjacent copies
-of its prompt ids) with a 31-bit seed per row, and return one `Generation` per row. Responses keep
-their EOS token; finish_reason is "stop" (an EOS id was sampled) or "length" (max_new_tokens).
-Rows are split over the plan's rollout replicas in prompt-sized shares (whole prompts per replica).
+Engines run inside rollout workers (stages/engines/worker.py), one process per rollout replica.
+stages/engines/service.py keeps them for a whole training run when the run owns a session (the
+engine starts once and takes each step's new weights in place), or starts and stops them around
+one call otherwise; an hf engine without a session runs in the calling process (what a one-off
+rollout or a test needs: no process start).
+
+Every engine takes the same input: one row per response (the n responses of a prompt are n
+adjacent copies of its prompt ids) with a 31-bit seed per row, and returns one `Generation` per
+row. Responses keep their EOS token; finish_reason is "stop" (an EOS id was sampled) or "length"
+(max_new_tokens). Rows are split over the plan's rollout replicas in prompt-sized shares (whole
+prompts per replica). Given the same weights and seeds an engine's output does not depend on
+whether it was just started or has served earlier steps (tests/test_engines_resident.py).
 """
 from __future__ import annotations
 
@@ -15,7 +25,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENGINES = ("hf", "vllm")
+# name -> "module:Class" implementing Engine (imported on first use: vLLM is an optional extra)
+ENGINES = {"hf": "stages.engines.hf:HFEngine", "vllm": "stages.engines.vllm_engine:VLLMEngine"}
 
 
 class EngineError(RuntimeError):
@@ -86,7 +97,8 @@ class EngineOptions:
     num_replicas: int = 1
     prompts_per_replica: int | None = None
     max_model_len: int | None = None
-    engine_seed: int = 0
+    engine_seed: int = 0  # the engine's own seed, fixed for a run (rows carry their own seeds)
+    step_seed: int = 0  # this call's seed (hf: generation batches are reseeded from it)
     timings: dict = field(default_factory=dict)
 
 
@@ -140,24 +152,102 @@ def replica_shares(num_rows: int, n: int, num_replicas: int, prompts_per_replica
     return shares
 
 
-def generate(engine: str, prompt_ids: list[list[int]], row_seeds: list[int], sampling: Sampling,
-             options: EngineOptions) -> list[Generation]:
-    """One Generation per row. `prompt_ids` has one entry per row (n adjacent copies per prompt)."""
+class Engine:
+    """What a generation engine implements (one instance per rollout replica, in one process).
+
+    start(spec)          load the model of spec.model_dir and get ready (the slow part: once per run)
+    load_weights(dir)    take new weights of the same architecture in place (every step)
+    generate(rows, seeds, sampling, replica, step_seed, rollout) -> [Generation]
+    sleep() / wake()     free / retake device memory between steps (GPU; a no-op elsewhere)
+    stop()               release everything
+    process_env(spec, env)  the worker process's environment (devices, cores)
+    START_KEYS           rollout keys read by start(): a change needs a fresh engine"""
+    START_KEYS: tuple = ()
+
+    @staticmethod
+    def process_env(spec: "EngineSpec", env: dict) -> dict:
+        """The environment of the worker process hosting this replica (devices, cores)."""
+        return env
+
+    def start(self, spec: "EngineSpec") -> dict:
+        raise NotImplementedError
+
+    def load_weights(self, model_dir) -> dict:
+        raise NotImplementedError
+
+    def generate(self, prompt_ids, seeds, sampling: Sampling, replica: int, step_seed: int,
+                 rollout: dict) -> list[Generation]:
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine is started with; equal specs can share one running engine."""
+    engine: str
+    model_dir: str
+    rollout: tuple  # sorted (key, value) of the START_KEYS of the engine
+    device: str = "cpu"
+    max_model_len: int = 0
+    replica: int = 0
+    num_replicas: int = 1
+    threads: int = 1  # CPU threads of the replica's process
+    seed: int = 0  # engine-level seed; rows carry their own seeds
+
+    def setting(self, key: str, default=None):
+        return dict(self.rollout).get(key, default)
+
+    def restart_key(self) -> tuple:
+        """Everything but the weights: a different key needs a new engine, the same key only
+        new weights."""
+        return (self.engine, self.rollout, self.device, self.max_model_len, self.replica,
+                self.num_replicas, self.threads, self.seed)
+
+
+def engine_class(name: str):
+    """The Engine class registered as `name` (ValueError naming the key and the choices)."""
+    import importlib
+
+    if name not in ENGINES:
+        raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: unknown engine; registered: "
+                         f"{', '.join(sorted(ENGINES))}")
+    module, cls = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_spec(options: EngineOptions, engine: str, replica: int, num_replicas: int) -> EngineSpec:
+    """An EngineSpec for one replica from the stage's EngineOptions."""
+    import os
+
+    keys = engine_class(engine).START_KEYS
+    rollout = tuple(sorted((k, options.rollout.get(k)) for k in keys))
+    tp = int(options.rollout.get("tensor_model_parallel_size") or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = int(os.environ.get("STAGERL_ENGINE_THREADS") or 0) or max(1, cores // max(1, num_replicas * (tp if engine == "vllm" else 1)))
+    return EngineSpec(engine=engine, model_dir=str(options.model_dir), rollout=rollout,
+                      device=options.device, max_model_len=int(options.max_model_len or 0),
+                      replica=replica, num_replicas=num_replicas, threads=threads,
+                      seed=int(options.engine_seed))
+
+
+def check_rows(prompt_ids: list[list[int]], row_seeds: list[int], model_dir) -> None:
+    """Refuse what no engine can run, naming the row or the folder."""
     from stages.models import check_model_folder
 
-    if engine not in ENGINES:
-        raise ValueError(f"actor_rollout_ref.rollout.name must be one of {ENGINES}, got {engine!r}")
     if len(prompt_ids) != len(row_seeds):
         raise ValueError(f"{len(prompt_ids)} rows but {len(row_seeds)} seeds")
     for row, ids in enumerate(prompt_ids):
         if not ids:
             raise ValueError(f"row {row}: empty prompt (no token ids)")
     try:
-        check_model_folder(options.model_dir, "policy model")
+        check_model_folder(model_dir, "policy model")
     except FileNotFoundError as err:
         raise FileNotFoundError(f"actor_rollout_ref.model.path (or the step's weights): {err}") from None
-    if engine == "hf":
-        from stages.engines.hf import hf_generate
-        return hf_generate(prompt_ids, row_seeds, sampling, options)
-    from stages.engines.vllm_worker import vllm_generate
-    return vllm_generate(prompt_ids, row_seeds, sampling, options)

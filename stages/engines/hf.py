@@ -1,15 +1,17 @@
-"""The transformers engine: `model.generate` in this process, batched with left padding.
+"""The transformers engine: `model.generate`, batched with left padding.
 
-Reproducibility: each replica's rows are cut into generation batches of a FIXED size
+Reproducibility: a replica's rows are cut into generation batches of a FIXED size
 (actor_rollout_ref.rollout.hf_generate_batch_size prompts × n rows) and torch's RNG is reseeded
 from (engine seed, replica, batch) before each batch, so the same seed gives the same tokens in any
-process. Replicas run one after another here (on CPU a second process costs more in imports than
-the tiny model's generation takes)."""
+process, whether the engine was just started or has served earlier steps. New weights are copied
+into the loaded model in place (load_weights: safetensors -> load_state_dict), so a run loads the
+model once; on a GPU, sleep() moves it to host memory while the update trains."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
-from stages.engines import EngineOptions, Generation, Sampling, derive_seed, eos_token_ids, finish, replica_shares
+from stages.engines import Engine, EngineSpec, Generation, Sampling, derive_seed, eos_token_ids, finish
 from stages.progress import progress
 
 
@@ -64,39 +66,89 @@ def _generate_batch(model, rows, config, sampling: Sampling, eos_ids, device) ->
                    None if log_probs is None else log_probs[i].tolist()) for i in range(len(rows))]
 
 
-def hf_generate(prompt_ids: list[list[int]], row_seeds: list[int], sampling: Sampling,
-                options: EngineOptions) -> list[Generation]:
-    import torch
+class HFEngine(Engine):
+    START_KEYS = ("dtype",)
 
-    from stages.models import load_policy
+    def __init__(self):
+        self.model = None
+        self.device = "cpu"
+        self.eos_ids: list[int] = []
+        self.pad_id = 0
+        self.asleep = False
 
-    batch_prompts = int(options.rollout.get("hf_generate_batch_size") or 64)
-    if batch_prompts < 1:
-        raise ValueError(f"actor_rollout_ref.rollout.hf_generate_batch_size must be >= 1, got {batch_prompts}")
-    device = "cuda" if options.device == "cuda" else "cpu"
-    dtype = options.rollout.get("dtype") or "float32"
-    if device == "cpu" or dtype == "auto":
-        dtype = "float32"  # bf16 matmuls on CPU are slow and make greedy output differ from vLLM's
-    t0 = time.perf_counter()
-    model = load_policy(options.model_dir, dtype=dtype, device=device)
-    eos_ids = eos_token_ids(options.model_dir)
-    pad_id = model.generation_config.pad_token_id
-    if pad_id is None:
-        pad_id = eos_ids[0]
-    config = _generation_config(model, sampling, eos_ids, int(pad_id))
-    options.timings["engine_start_s"] = round(time.perf_counter() - t0, 4)
+    def start(self, spec: EngineSpec) -> dict:
+        from stages.models import load_policy
 
-    rows_per_batch = batch_prompts * sampling.n
-    results: list[Generation] = [None] * len(prompt_ids)
-    t1 = time.perf_counter()
-    with torch.inference_mode(), progress("generate", total=len(prompt_ids), unit="seq") as bar:
-        for replica, share in enumerate(replica_shares(len(prompt_ids), sampling.n, options.num_replicas,
-                                                       options.prompts_per_replica)):
-            for batch, start in enumerate(range(share.start, share.stop, rows_per_batch)):
-                stop = min(start + rows_per_batch, share.stop)
-                torch.manual_seed(derive_seed(options.engine_seed, replica, batch))
-                gens = _generate_batch(model, prompt_ids[start:stop], config, sampling, eos_ids, device)
-                results[start:stop] = gens
+        t0 = time.perf_counter()
+        self.device = "cuda" if spec.device == "cuda" else "cpu"
+        dtype = spec.setting("dtype") or "float32"
+        if self.device == "cpu" or dtype == "auto":
+            dtype = "float32"  # bf16 matmuls on CPU are slow and make greedy output differ from vLLM's
+        self.model = load_policy(spec.model_dir, dtype=dtype, device=self.device)
+        self._read_ids(spec.model_dir)
+        return {"engine_start_s": round(time.perf_counter() - t0, 4)}
+
+    def _read_ids(self, model_dir) -> None:
+        self.eos_ids = eos_token_ids(model_dir)
+        pad = self.model.generation_config.pad_token_id
+        self.pad_id = int(self.eos_ids[0] if pad is None else pad)
+
+    def load_weights(self, model_dir) -> dict:
+        """Copy the folder's tensors into the loaded model (same architecture: the config and the
+        parameter names must match; a mismatch raises naming the folder)."""
+        import torch
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        state = {}
+        for file in sorted(Path(model_dir).glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        if not state:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to load")
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied: the embedding is the head
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"{model_dir}: weights do not fit the running model (missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]}): another architecture "
+                             f"needs a new engine")
+        self._read_ids(model_dir)
+        return {"load_weights_s": round(time.perf_counter() - t0, 4)}
+
+    def generate(self, prompt_ids, seeds, sampling: Sampling, replica: int, step_seed: int,
+                 rollout: dict) -> list[Generation]:
+        import torch
+
+        batch_prompts = int(rollout.get("hf_generate_batch_size") or 64)
+        if batch_prompts < 1:
+            raise ValueError(f"actor_rollout_ref.rollout.hf_generate_batch_size must be >= 1, got {batch_prompts}")
+        self.wake()
+        config = _generation_config(self.model, sampling, self.eos_ids, self.pad_id)
+        rows_per_batch = batch_prompts * sampling.n
+        results: list[Generation] = []
+        with torch.inference_mode(), progress("generate", total=len(prompt_ids), unit="seq") as bar:
+            for batch, start in enumerate(range(0, len(prompt_ids), rows_per_batch)):
+                stop = min(start + rows_per_batch, len(prompt_ids))
+                torch.manual_seed(derive_seed(step_seed, replica, batch))
+                results += _generate_batch(self.model, prompt_ids[start:stop], config, sampling,
+                                           self.eos_ids, self.device)
                 bar.update(stop - start)
-    options.timings["generate_s"] = round(time.perf_counter() - t1, 4)
-    return results
+        return results
+
+    def sleep(self) -> None:
+        if self.device == "cuda" and not self.asleep:
+            import torch
+
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.model.to(self.device)
+            self.asleep = False
+
+    def stop(self) -> None:
+        self.model = None

@@ -1,0 +1,165 @@
+"""The rollout replicas of a run: engines started once and reused, or started for one call.
+
+    engines = RolloutEngines(resident=True)          # owned by the run's session (stages.session)
+    gens = engines.generate("vllm", prompt_ids, seeds, sampling, options)   # every step
+    engines.sleep()                                   # GPU: free memory for the update
+    engines.close()                                   # end of the run
+
+Resident (a training run's session): one worker process per replica (stages.engines.worker),
+started at the first call and kept. A later call with the same engine settings only loads the
+step's weights into it (in place) when the weights folder changed; other settings (another engine,
+dtype, replicas, ...) restart it. A worker that died is restarted, its weights loaded, and its
+share generated again (once): a restarted engine gives the same rows as a resident one, since
+every row carries its own seed and the batches are fixed.
+
+Not resident (no session: a one-off rollout, a stage deployment, tests): hf runs in this process
+and is dropped after the call; vLLM gets one worker per replica for the call (its process exit
+frees GPU memory), all replicas started at once.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+
+from stages.engines import (EngineOptions, Generation, Sampling, check_rows, engine_class, make_spec,
+                            replica_shares)
+from stages.engines.worker import EngineWorker, WorkerDied
+
+
+class RolloutEngines:
+    def __init__(self, resident: bool = True, log_dir=None):
+        self.resident = resident
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="stagerl-engines-")
+        self.workers: dict[int, EngineWorker] = {}
+        self.starts = 0  # worker processes started (a resident run: once per replica)
+        self.restarts = 0  # of which after a worker died
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, engine: str, prompt_ids: list[list[int]], row_seeds: list[int], sampling: Sampling,
+                 options: EngineOptions) -> list[Generation]:
+        """One Generation per row; options.timings gets engine_start_s, load_weights_s,
+        generate_s, wall_s and one entry per replica."""
+        check_rows(prompt_ids, row_seeds, options.model_dir)
+        engine_class(engine)  # unknown name: refused before anything starts
+        t0 = time.perf_counter()
+        shares = replica_shares(len(prompt_ids), sampling.n, options.num_replicas, options.prompts_per_replica)
+        specs = [make_spec(options, engine, r, len(shares)) for r in range(len(shares))]
+        if not self.resident and engine == "hf":
+            return self._in_process(specs, shares, prompt_ids, sampling, options, t0)
+        timings = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0, "replicas": []}
+        try:
+            for spec in specs:  # every replica starts at once
+                self._launch(spec)
+            for spec in specs:
+                self._settle(spec, timings)
+            results: list[Generation] = [None] * len(prompt_ids)
+            requests = {}
+            for spec, share in zip(specs, shares):
+                requests[spec.replica] = self._request(spec, share, prompt_ids, row_seeds, sampling, options)
+                self.workers[spec.replica].send("generate", requests[spec.replica])
+            for spec, share in zip(specs, shares):
+                reply = self._reply(spec, requests[spec.replica], timings)
+                for offset, (ids, reason, lps) in enumerate(reply["rows"]):
+                    results[share.start + offset] = Generation(list(ids), reason, lps)
+                timings["replicas"].append({"replica": spec.replica, "rows": len(share),
+                                            "generate_s": reply["generate_s"],
+                                            "pid": self.workers[spec.replica].proc.pid})
+        finally:
+            if not self.resident:
+                self.close()
+        timings["generate_s"] = max(r["generate_s"] for r in timings["replicas"])
+        timings["wall_s"] = round(time.perf_counter() - t0, 4)
+        options.timings.update(timings)
+        return results
+
+    def _request(self, spec, share, prompt_ids, row_seeds, sampling: Sampling, options) -> dict:
+        return {"prompt_ids": prompt_ids[share.start:share.stop], "seeds": row_seeds[share.start:share.stop],
+                "sampling": dict(sampling.__dict__), "replica": spec.replica,
+                "step_seed": int(options.step_seed), "rollout": dict(options.rollout)}
+
+    def _reply(self, spec, request: dict, timings: dict) -> dict:
+        """The replica's answer; a worker that died is restarted and asked once more."""
+        try:
+            return self.workers[spec.replica].result()
+        except WorkerDied as died:
+            print(f"rollout: {died}\nrestarting replica {spec.replica}", flush=True)
+            self.restarts += 1
+            self._launch(spec)
+            self._settle(spec, timings)
+            return self.workers[spec.replica].call("generate", request)
+
+    def warm_up(self, engine: str, options: EngineOptions) -> None:
+        """Start the replicas' engines in the background (a run calls this before its first
+        step, so engine start-up overlaps the rest of the set-up)."""
+        if not self.resident:
+            return
+        for r in range(max(1, options.num_replicas)):
+            self._launch(make_spec(options, engine, r, max(1, options.num_replicas)))
+
+    def _launch(self, spec) -> None:
+        """A worker for `spec`: the running one if its engine settings match and it lives, else
+        a new process asked to start (without waiting for it)."""
+        worker = self.workers.get(spec.replica)
+        if worker is not None and worker.alive() and worker.spec.restart_key() == spec.restart_key():
+            return
+        if worker is not None:
+            worker.close()
+        worker = EngineWorker(spec, self.log_dir)
+        worker.send("start", spec)
+        worker.started = False
+        self.workers[spec.replica] = worker
+        self.starts += 1
+
+    def _settle(self, spec, timings: dict) -> None:
+        """Wait until the replica's engine has started, then give it `spec`'s weights."""
+        worker = self.workers[spec.replica]
+        if not worker.started:
+            started = worker.result()
+            worker.started, worker.loaded = True, worker.spec.model_dir
+            timings["engine_start_s"] = max(timings["engine_start_s"], started["engine_start_s"])
+            timings["started"] += 1
+            if started.get("notes"):
+                timings["notes"] = started["notes"]
+        if worker.loaded != spec.model_dir:
+            loaded = worker.call("load", spec.model_dir)
+            worker.loaded = spec.model_dir
+            timings["load_weights_s"] = max(timings["load_weights_s"], loaded["load_weights_s"])
+
+    def _in_process(self, specs, shares, prompt_ids, sampling, options, t0) -> list[Generation]:
+        """hf without a session: one engine in this process for every replica, in turn."""
+        engine = engine_class("hf")()
+        started = engine.start(specs[0])
+        results: list[Generation] = [None] * len(prompt_ids)
+        replicas = []
+        try:
+            for spec, share in zip(specs, shares):
+                t = time.perf_counter()
+                results[share.start:share.stop] = engine.generate(
+                    prompt_ids[share.start:share.stop], None, sampling, spec.replica,
+                    int(options.step_seed), dict(options.rollout))
+                replicas.append({"replica": spec.replica, "rows": len(share),
+                                 "generate_s": round(time.perf_counter() - t, 4)})
+        finally:
+            engine.stop()
+        options.timings.update({"engine_start_s": started["engine_start_s"], "load_weights_s": 0.0,
+                                "started": 1, "replicas": replicas,
+                                "generate_s": round(sum(r["generate_s"] for r in replicas), 4),
+                                "wall_s": round(time.perf_counter() - t0, 4)})
+        return results
+
+    # ---- between steps and at the end ---------------------------------------------------------
+    def sleep(self) -> None:
+        """Free device memory while other stages run (GPU engines; a no-op on CPU). The weights
+        are reloaded before the next generation."""
+        for worker in self.workers.values():
+            if worker.alive() and worker.spec.device == "cuda":
+                worker.call("sleep")
+                worker.loaded = None
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers.values() if w.alive()]

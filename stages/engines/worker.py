@@ -1,0 +1,184 @@
+"""A rollout worker: one process hosting one engine (one rollout replica), driven over a pipe.
+
+    worker = EngineWorker(spec, log_dir)    # spawns `python -m stages.engines.worker <fd>`
+    worker.send("start", spec)              # returns at once: the engine starts in the background
+    worker.result()                         # waits for the reply (raises EngineError / WorkerDied)
+    worker.call("load", model_dir)          # new weights in place
+    worker.call("generate", {...})          # [(response_ids, finish_reason, log_probs)], timings
+    worker.close()
+
+Messages are pickled (multiprocessing.connection over a socketpair passed as an inherited fd, so
+nothing is imported from the parent's __main__ and the parent's stdout stays clean). The worker's
+own stdout/stderr (vLLM, transformers) go to a log file whose tail is attached to every error.
+The worker exits when the pipe closes, i.e. when its owner exits or dies; it sets PDEATHSIG too.
+After the engine starts and after each request it collects and freezes the garbage collector's
+heap (gc.freeze), as the rank servers do: a full collection of torch's objects costs 0.1-0.5 s."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from stages.engines import EngineError
+
+LOG_TAIL = 4000
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerDied(EngineError):
+    """The worker process ended without answering (killed, crashed, out of memory)."""
+
+
+class EngineWorker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, spec, log_dir, env: dict | None = None):
+        import socket
+        from multiprocessing.connection import Connection
+
+        from stages.engines import engine_class
+
+        self.spec = spec
+        self.loaded: str | None = None  # the weights folder the engine holds
+        self.started = False
+        self.asleep = False
+        self.log_path = Path(log_dir) / f"engine-{spec.engine}-replica{spec.replica}-{os.getpid()}-{id(self):x}.log"
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ if env is None else env)
+        env["OMP_NUM_THREADS"] = str(spec.threads)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env = engine_class(spec.engine).process_env(spec, env)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "stages.engines.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+
+    # ---- requests -----------------------------------------------------------------------------
+    def send(self, op: str, arg=None) -> None:
+        try:
+            self.conn.send((op, arg))
+        except OSError:
+            raise WorkerDied(self._why("exited before a request could be sent")) from None
+
+    def result(self):
+        """The reply to the oldest request sent; waits while the process lives."""
+        while not self.conn.poll(0.2):
+            if self.proc.poll() is not None and not self.conn.poll(0):
+                raise WorkerDied(self._why(f"exited with code {self.proc.returncode}"))
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.wait(timeout=10)
+            raise WorkerDied(self._why(f"exited with code {self.proc.returncode}")) from None
+        if status == "error":
+            raise EngineError(f"{self.spec.engine} engine (replica {self.spec.replica}) failed:\n{value}"
+                              f"\n--- worker log tail ({self.log_path}) ---\n{self.log_tail()}")
+        return value
+
+    def call(self, op: str, arg=None):
+        self.send(op, arg)
+        return self.result()
+
+    # ---- life cycle ---------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self, timeout_s: float = 10) -> None:
+        if self.alive():
+            try:
+                self.conn.send(("stop", None))
+                self.proc.wait(timeout=timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-LOG_TAIL:]
+        except OSError:
+            return ""
+
+    def _why(self, what: str) -> str:
+        return (f"{self.spec.engine} rollout worker (replica {self.spec.replica}, pid {self.proc.pid}) "
+                f"{what}\n--- worker log tail ({self.log_path}) ---\n{self.log_tail()}")
+
+
+# ---- the worker process ---------------------------------------------------------------------------
+def _set_death_signal() -> None:
+    """Die with the parent even if the pipe stays open elsewhere (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _handle(engine, op: str, arg):
+    """One request against the engine; returns the reply value."""
+    from stages.engines import Sampling, engine_class
+
+    if op == "start":
+        import torch
+
+        torch.set_num_threads(max(1, int(arg.threads)))
+        engine = engine_class(arg.engine)()
+        return engine, engine.start(arg)
+    if engine is None:
+        raise RuntimeError(f"request {op!r} before the engine was started")
+    if op == "load":
+        return engine, engine.load_weights(arg)
+    if op == "generate":
+        t0 = time.perf_counter()
+        gens = engine.generate(arg["prompt_ids"], arg["seeds"], Sampling(**arg["sampling"]),
+                               arg["replica"], arg["step_seed"], arg["rollout"])
+        rows = [(g.response_ids, g.finish_reason, g.log_probs) for g in gens]
+        return engine, {"rows": rows, "generate_s": round(time.perf_counter() - t0, 4)}
+    if op == "sleep":
+        engine.sleep()
+        return engine, None
+    raise ValueError(f"unknown rollout worker request {op!r}")
+
+
+def serve(fd: int) -> int:
+    import gc
+    from multiprocessing.connection import Connection
+
+    _set_death_signal()
+    conn = Connection(fd)
+    engine = None
+    while True:
+        try:
+            op, arg = conn.recv()
+        except (EOFError, OSError):
+            return 0  # the owner closed the pipe or died
+        if op == "stop":
+            if engine is not None:
+                engine.stop()
+            conn.send(("ok", None))
+            return 0
+        try:
+            engine, value = _handle(engine, op, arg)
+            reply = ("ok", value)
+        except BaseException:  # noqa: BLE001 - reported to the owner, the worker goes on
+            reply = ("error", traceback.format_exc())
+        sys.stdout.flush()
+        conn.send(reply)
+        value = reply = None
+        gc.collect()
+        gc.freeze()
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1])))
