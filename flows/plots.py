@@ -103,12 +103,14 @@ def rank_load(view, step: int):
 
 
 def token_budget(view):
-    """(budget, label) of the update's micro-batches: ppo_max_token_len_per_gpu when
+    """(budget, label) of the update's micro-batches: the plan's actor max_token_len_per_micro_batch
+    (ppo_max_token_len_per_gpu x sp, what stages.binning bounds padded tokens by) when
     use_dynamic_bsz, else None (micro-batches are formed by row count)."""
-    if not view.config_value("actor_rollout_ref.actor.use_dynamic_bsz"):
-        return None, None
-    budget = view.config_value("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
-    return (int(budget), f"token budget ppo_max_token_len_per_gpu={budget}") if budget else (None, None)
+    from storage.artifacts import read_run_json
+
+    actor = ((read_run_json(view.store, view.layout) or {}).get("plan") or {}).get("actor") or {}
+    budget = actor.get("max_token_len_per_micro_batch") if actor.get("use_dynamic_bsz") else None
+    return (int(budget), f"token budget {budget} (plan: ppo_max_token_len_per_gpu × sp)") if budget else (None, None)
 
 
 def logprob_token_budget(view, step: int, role: str):

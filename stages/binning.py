@@ -1,62 +1,77 @@
-"""Token-budget micro-batches for the update's forward, with several sequences in one tensor row.
+"""Micro-batches: how every forward of stagerl (logprob: actor, ref, critic values; the update;
+the reward model) groups one rank's rows, and the one collate that lays them out.
 
-A micro-batch is a (bins x width) tensor. Each bin (tensor row) holds whole sequences (prompt +
+A micro-batch is a list of bins; a bin is one tensor row holding whole sequences (prompt +
 response) back to back, with position_ids restarting at 0 for each sequence, so transformers
 attends block-diagonally inside a bin (transformers.masking_utils.find_packed_sequence_indices:
 the attention_mask is left None for that). A bin's tail padding comes after all its real tokens,
 so causal attention never lets a real token see it, and its positions only feed ignored outputs.
 
-    micro = binned_micro_batches(lengths, budget)   # [[bin, bin, ...], ...]; a bin = row indices
+    micro = micro_batches(lengths, rows_per_micro=60, budget=None, dynamic=False, packed=False)
     batch = collate_bins([[rows[i] for i in b] for b in micro[0]], pad_id)
 
-Micro-batches are built longest sequence first (binned_micro_batches): the width of a
-micro-batch is its longest sequence (at least half the longest of all), it holds budget // width
-bins, and shorter sequences fill the room left in bins. Padding is only what is left at the ends of bins, micro-batches are as
-full as the budget allows (the same bins-x-width peak as `ppo_max_token_len_per_gpu`), and short
-sequences end up in narrow micro-batches, where attention over a row is cheap. The loss is
-exact for any grouping (stages.update_worker): only the speed depends on it."""
+Modes (`micro_batches`):
+- static (`dynamic=False`): consecutive `rows_per_micro` rows, as verl. Not packed: one sequence
+  per tensor row, right-padded to the micro-batch's longest sequence. Packed: the micro-batch's
+  sequences, longest first, go into bins as wide as its longest sequence.
+- token budget (`dynamic=True`): at most `budget` padded tokens (bins x width) per micro-batch,
+  whole sequences, built longest first: a micro-batch is as wide as the longest sequence left (at
+  least half the longest of all), holds budget // width bins, and shorter sequences fill the room
+  left in bins. The count is all-reduced MAX over ranks. Not verl's rearrange_micro_batches
+  (Karmarkar-Karp groups of padded rows): those mix long and short rows, and the padded log-prob
+  forward then padded 77 % and ran at 0.33x static. With these bins it pads 3.3 % and runs at
+  1.60x static (wall and CPU time; packed static micro-batches 1.32x padded ones), on 720 rows
+  of mixed lengths (bench/logprob.py; bench/update.py: 1.5-1.9x for the update). `packed=False`
+  keeps one sequence per tensor row (the reward model, whose head reads each row's last token).
+The logprob and update stages pack whenever there is a token budget, and under static
+micro-batches with use_remove_padding. Padding is only what is left at the ends of bins; the loss
+and the per-token values are exact for any grouping, only the speed depends on it."""
 from __future__ import annotations
 
 
-def binned_micro_batches(lengths: list[int], budget: int, group=None,
-                         all_reduce: bool = True) -> list[list[list[int]]]:
-    """Micro-batches (lists of bins, a bin a list of row indices) of at most `budget` padded
-    tokens. Greedy, longest first: a micro-batch's width is the longest sequence left, but at
-    least half the longest of all; it has budget // width bins, and the sequences left (longest
-    first) go to the first bin with room. Short sequences fill the gaps beside long ones; rows
-    stay about as wide as their sequences (attention over a row costs its width), yet wide enough
-    for two or more short sequences, which is what keeps padding low (bench/update.py: ~1-4 %;
-    one sequence per row at its own width padded 6-8 %, one width for all rows cost ~15 % more
-    time in attention). The count is all-reduced MAX over `group`
-    (every rank runs as many backward passes, as ZeRO-2/3 need) and reached by splitting the
-    micro-batch with the most rows (its bins in two halves, or a single bin's sequences in two)."""
-    from stages.batching import _max_over_group, check_budget
+def check_budget(lengths: list[int], budget: int | None, key: str) -> int:
+    """The longest sequence, if it fits the token budget (a sequence is never split)."""
+    longest = max(lengths)
+    if budget is None or budget < max(longest, 1):
+        raise ValueError(f"token budget {key}={budget} is below the longest sequence ({longest} "
+                         f"tokens, row {lengths.index(longest)}): a sequence is never split")
+    return longest
 
+
+def micro_batches(lengths: list[int], *, rows_per_micro: int | None = None, budget: int | None = None,
+                  dynamic: bool, packed: bool, all_reduce: bool = True, group=None,
+                  budget_key: str = "max_token_len_per_gpu") -> list[list[list[int]]]:
+    """One rank's micro-batches (lists of bins, a bin a list of row indices into `lengths`, the
+    prompt + response length of each row), in execution order; see the module docstring for the
+    modes. With `dynamic` and a torch.distributed `group` (or all_reduce and an initialised
+    default group) every rank runs as many micro-batches (all-reduce MAX: ZeRO-2/3 reduce
+    gradients inside each backward); a rank that needs fewer splits its micro-batch with the most
+    rows. Static counts are equal on ranks with equal rows."""
     if not lengths:
         return []
-    longest = check_budget(lengths, budget, "max_token_len_per_gpu")
+    if not dynamic:
+        if rows_per_micro is None or rows_per_micro <= 0:
+            raise ValueError(f"micro-batch size must be a positive number of rows, got {rows_per_micro!r}")
+        chunks = [list(range(s, min(s + rows_per_micro, len(lengths))))
+                  for s in range(0, len(lengths), rows_per_micro)]
+        if not packed:
+            return [[[i] for i in chunk] for chunk in chunks]
+        return [_fill_bins(lengths, sorted(chunk, key=lambda i: (-lengths[i], i)),
+                           max(lengths[i] for i in chunk), len(chunk))[0] for chunk in chunks]
+    longest = check_budget(lengths, budget, budget_key)
     left, micro = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), []
     while left:
-        width = max(lengths[left[0]], longest // 2)
-        bins, free, rest = [], [], []
-        for i in left:
-            for b, room in enumerate(free):
-                if lengths[i] <= room:
-                    bins[b].append(i)
-                    free[b] -= lengths[i]
-                    break
-            else:
-                if len(bins) < budget // width:
-                    bins.append([i])
-                    free.append(width - lengths[i])
-                else:
-                    rest.append(i)
+        if packed:
+            width = max(lengths[left[0]], longest // 2, 1)
+            bins, left = _fill_bins(lengths, left, width, budget // width)
+        else:
+            rows = budget // max(lengths[left[0]], 1)
+            bins, left = [[i] for i in left[:rows]], left[rows:]
         micro.append(bins)
-        left = rest
-    target = _max_over_group(len(micro), group, all_reduce)
+    target = max_over_ranks(len(micro), group, all_reduce)
     if target > len(lengths):
         raise ValueError(f"another rank needs {target} micro-batches but this rank has only "
-                         f"{len(lengths)} rows")
+                         f"{len(lengths)} rows (ranks must hold similar row counts)")
     while len(micro) < target:
         k = max(range(len(micro)), key=lambda j: sum(len(b) for b in micro[j]))
         big = micro.pop(k)
@@ -69,9 +84,60 @@ def binned_micro_batches(lengths: list[int], budget: int, group=None,
     return micro
 
 
+def _fill_bins(lengths, order, width: int, max_bins: int):
+    """First fit in `order`: each sequence goes to the first bin with room, else a new bin while
+    there are fewer than max_bins. Returns (bins, the sequences that found no place)."""
+    bins, free, rest = [], [], []
+    for i in order:
+        for b, room in enumerate(free):
+            if lengths[i] <= room:
+                bins[b].append(i)
+                free[b] -= lengths[i]
+                break
+        else:
+            if len(bins) < max_bins:
+                bins.append([i])
+                free.append(width - lengths[i])
+            else:
+                rest.append(i)
+    return bins, rest
+
+
+def max_over_ranks(value: int, group=None, all_reduce: bool = True) -> int:
+    """`value` all-reduced MAX over `group` (or the default group when all_reduce and one is
+    initialised); `value` itself without torch.distributed."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return value
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    if group is None and not all_reduce:
+        return value
+    import torch
+
+    backend = dist.get_backend(group)
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
 def rows_of(micro_batch: list[list[int]]) -> list[int]:
     """The row indices of a micro-batch in bin order (the order collate_bins lays rows out)."""
     return [i for b in micro_batch for i in b]
+
+
+def micro_batch_load(lengths: list[int], micro: list[list[list[int]]]) -> dict:
+    """Rows, micro-batches, real and padded tokens of one rank's micro-batches, counted as
+    collate_bins lays them out: a micro-batch is (bins x its fullest bin) padded tokens."""
+    real = [sum(lengths[i] for i in rows_of(mb)) for mb in micro]
+    padded = [len(mb) * max(sum(lengths[i] for i in b) for b in mb) for mb in micro]
+    return {"rows": sum(len(rows_of(mb)) for mb in micro), "micro_batches": len(micro),
+            "real_tokens": sum(real), "padded_tokens": sum(padded),
+            "max_tokens_per_micro_batch": max(padded, default=0),
+            "max_real_tokens_per_micro_batch": max(real, default=0),
+            "padding_fraction": 1 - sum(real) / sum(padded) if padded else 0.0}
 
 
 def collate_bins(bins: list[list[dict]], pad_id: int, device="cpu") -> dict:

@@ -1,5 +1,6 @@
 """Loading the policy, tokenizer and critic from local HF folders, and the per-token forward passes
-every stage shares (log-probs, entropy, values) on batches laid out by stages.batching.collate.
+every stage shares (log-probs, entropy, values) on batches laid out by stages.binning.collate_bins
+(every stage's micro-batches) or stages.batching.collate (verl's padded layout, the reference).
 
 Alignment (verl): the logit at position t predicts token t+1, so response token j (column P+j)
 is scored by the hidden state at column P+j-1; values use the same position (dp_critic:
@@ -133,15 +134,11 @@ def response_log_probs(model, batch, temperature: float = 1.0, with_entropy: boo
     divided by `temperature`. The vocab projection runs over at most `chunk_size` positions at a
     time (never a full-vocab log-softmax of the whole micro-batch); with gradients each chunk is
     recomputed in backward (activation checkpointing), so memory follows the chunk. Padded
-    response positions are 0. `batch` from batching.collate (padded), batching.pack (packed
-    rows, no padding: attention stays within each row via restarting position_ids) or
-    binning.collate_bins (several sequences per row, the same way)."""
+    response positions are 0. `batch` from binning.collate_bins (whole sequences in tensor rows,
+    attention kept inside each sequence by restarting position_ids) or batching.collate."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    if batch.get("packed"):
-        flat_h = _hidden_states(model, batch)[0, batch["pred_index"]]
-        flat_t = batch["targets"]
-    elif batch.get("flat"):  # binning.collate_bins: sequences back to back in rows, positions vary
+    if batch.get("flat"):  # binning.collate_bins: sequences back to back in rows, positions vary
         hidden = _hidden_states(model, batch)
         flat_h = hidden.reshape(-1, hidden.shape[-1])[batch["pred_index"]]
         flat_t = batch["targets"]
@@ -173,9 +170,9 @@ def response_log_probs(model, batch, temperature: float = 1.0, with_entropy: boo
 
 
 def _to_rows(flat, batch):
-    """(bs, R) from per-position values: padded layout -> reshape and mask; packed -> scatter."""
+    """(bs, R) from per-position values: padded layout -> reshape and mask; flat -> split per row."""
     lengths, R = batch["response_lengths"], batch["response_width"]
-    if not batch.get("packed") and not batch.get("flat"):
+    if not batch.get("flat"):
         return torch.where(batch["response_mask"].bool(), flat.reshape(len(lengths), R), 0.0)
     rows = [torch.nn.functional.pad(v, (0, R - v.shape[0])) for v in torch.split(flat, lengths)]
     return torch.stack(rows)
@@ -184,11 +181,9 @@ def _to_rows(flat, batch):
 def response_values(critic, batch):
     """(bs, R) values of a token-classification critic, aligned as verl's dp_critic (the value
     of the position that predicts each response token); padded positions are 0. `batch` from
-    batching.collate (padded) or batching.pack (one unpadded sequence)."""
+    binning.collate_bins or batching.collate."""
     out = critic(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                  position_ids=batch["position_ids"], use_cache=False)
-    if batch.get("packed"):
-        return _to_rows(out.logits[0, batch["pred_index"], 0].float(), batch)
     if batch.get("flat"):
         return _to_rows(out.logits[..., 0].reshape(-1)[batch["pred_index"]].float(), batch)
     P, R = batch["prompt_width"], batch["response_width"]

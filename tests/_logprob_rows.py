@@ -21,12 +21,14 @@ def make_ctx(root, model_dir, overrides=(), ranks=1, step=1):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3",
-        "data.max_prompt_length=48", "data.max_response_length=16", *overrides])
+        "data.max_prompt_length=48", "data.max_response_length=40", *overrides])
     return StageContext.create(cfg, make_plan(cfg), step)
 
 
-def rollout_rows(tokenizer, n_prompts=4, n=2, max_response=16, seed=0):
-    """n adjacent rows per prompt; response lengths skewed (mostly short, a few long)."""
+def rollout_rows(tokenizer, n_prompts=4, n=2, max_response=40, seed=0):
+    """n adjacent rows per prompt; response lengths skewed (mostly short, a few long): with ~20
+    prompt tokens two short sequences fit beside a long one's width, so packed micro-batches
+    (stages.binning) do put several sequences in one tensor row."""
     rng = random.Random(seed)
     rows = []
     records = [make_arith_dataset(1, seed=seed + p, difficulty=1 + (2 * p) % 5)[0] for p in range(n_prompts)]

@@ -1,13 +1,14 @@
-"""Row balancing (verl's balance_batch), micro-batches (static and token budget), padding, load lines."""
+"""Row balancing (verl's balance_batch), micro-batches (binning.micro_batches: static and token
+budget, padded and packed, worked by hand), their layout and load counts, padding, load lines."""
 import random
 
 import pytest
 import torch
 
 from stages import batching
-from stages.batching import (balance_partitions, collate, format_load_line, karmarkar_karp,
-                             micro_batch_load, pack, pad_per_token, restore_order, static_micro_batches,
-                             token_budget_micro_batches, unpad, workload)
+from stages.batching import (balance_partitions, collate, format_load_line, karmarkar_karp, pad_per_token,
+                             restore_order, unpad, workload)
+from stages.binning import collate_bins, micro_batch_load, micro_batches, rows_of
 from stages.launch import run_ranks
 
 
@@ -17,10 +18,14 @@ def test_workload_is_verls_formula():
     assert workload(100) == 2_457_600 + 10_000
 
 
-def test_karmarkar_karp_unequal_hand_checked():
-    # singletons 8|7 -> spread 1; 6|5 -> spread 1; 4 joins (8|7): {4,7}=11 vs {8}=8, spread 3;
-    # merged with (6|5): {4,7,5}=16 vs {8,6}=14
-    assert karmarkar_karp([4, 5, 6, 7, 8], 2, equal_size=False) == [[0, 1, 3], [2, 4]]
+def test_karmarkar_karp_equal_sizes_hand_checked():
+    # sorted pairs (1,2) (3,4) (5,6) start as states {larger}|{smaller}, spread 1 each; ties pop
+    # the larger top set first: (5,6) merges with (3,4), larger with smaller: {6,3}=9 | {5,4}=9,
+    # spread 0. Then (1,2) (spread 1) pops before it: {2}+{5,4}=11 | {1}+{6,3}=10 (the tie
+    # between the two 9s is broken on their items, {6,3} ranking first)
+    assert karmarkar_karp([1, 2, 3, 4, 5, 6], 2) == [[1, 3, 4], [0, 2, 5]]
+    with pytest.raises(ValueError, match="5 rows do not split into 2 equal partitions"):
+        karmarkar_karp([1, 2, 3, 4, 5], 2)
 
 
 def test_balance_partitions_hand_checked_example():
@@ -50,48 +55,110 @@ def test_balance_partitions_refuses_uneven_rows():
         balance_partitions([1] * 7, 2)
 
 
-def test_static_micro_batches():
-    assert static_micro_batches(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
-    assert static_micro_batches(4, 4) == [[0, 1, 2, 3]]
+LENGTHS = [10, 60, 100, 30, 50, 10, 40]  # prompt + response tokens of rows 0..6
+
+
+def test_static_micro_batches_padded_one_sequence_per_row():
+    # consecutive rows as verl, each its own tensor row (bin)
+    micro = micro_batches(LENGTHS, rows_per_micro=3, dynamic=False, packed=False)
+    assert micro == [[[0], [1], [2]], [[3], [4], [5]], [[6]]]
+    # padded to the longest sequence of each micro-batch: 3 x 100, 3 x 50, 1 x 40
+    load = micro_batch_load(LENGTHS, micro)
+    assert (load["rows"], load["micro_batches"], load["real_tokens"], load["padded_tokens"]) == (7, 3, 300, 490)
+    assert load["max_tokens_per_micro_batch"] == 300 and load["max_real_tokens_per_micro_batch"] == 170
+    assert micro_batches(LENGTHS[:4], rows_per_micro=4, dynamic=False, packed=False) == [[[0], [1], [2], [3]]]
     with pytest.raises(ValueError, match="positive"):
-        static_micro_batches(4, 0)
+        micro_batches(LENGTHS, rows_per_micro=0, dynamic=False, packed=False)
 
 
-def test_token_budget_reference_example():
-    # reference §3.2: lengths [600, 600, 600], budget 1000 -> ceil(1800/1000) = 2 micro-batches,
-    # 1200 and 600 tokens (the budget is a target, not a cap)
-    mbs = token_budget_micro_batches([600, 600, 600], 1000)
-    assert mbs == [[0, 1], [2]]
-    assert [sum(600 for _ in mb) for mb in mbs] == [1200, 600]
-    load = micro_batch_load([600, 600, 600], mbs)
-    assert (load["micro_batches"], load["real_tokens"], load["max_tokens_per_micro_batch"]) == (2, 1800, 1200)
+def test_static_micro_batches_packed_into_bins():
+    # rows 0-3 (10, 60, 100, 30), bins 100 wide, longest first: 100 -> bin0 (full); 60 -> bin1
+    # (40 left); 30 -> bin1 (10 left); 10 -> bin1 (full). Rows 4-6 (50, 10, 40), 50 wide:
+    # 50 -> bin0; 40 -> bin1 (10 left); 10 -> bin1.
+    micro = micro_batches(LENGTHS, rows_per_micro=4, dynamic=False, packed=True)
+    assert micro == [[[2], [1, 3, 0]], [[4], [6, 5]]]
+    assert [rows_of(mb) for mb in micro] == [[2, 1, 3, 0], [4, 6, 5]]
+    load = micro_batch_load(LENGTHS, micro)  # 2 x 100 + 2 x 50 padded, no room left anywhere
+    assert (load["real_tokens"], load["padded_tokens"], load["padding_fraction"]) == (300, 300, 0.0)
 
 
-def test_token_budget_count_and_order():
-    lens = [100, 900, 50, 400, 400, 300, 20, 830]  # total 3000, budget 1000 -> 3 micro-batches
-    mbs = token_budget_micro_batches(lens, 1000)
-    assert len(mbs) == 3 and sorted(i for mb in mbs for i in mb) == list(range(8))
-    loads = [sum(workload(lens[i]) for i in mb) for mb in mbs]
-    # heaviest first, then folded: even positions reversed + odd positions -> the heaviest
-    # micro-batch sits in the middle... of [h0, h1, h2]: [h2, h0, h1]
-    by_weight = sorted(loads, reverse=True)
-    assert loads == [by_weight[2], by_weight[0], by_weight[1]]
-    # never more micro-batches than rows
-    assert len(token_budget_micro_batches([10, 10], 10)) == 2
+def test_token_budget_bins_longest_first_within_budget():
+    # budget 250, longest first. micro 1: width 100, 250 // 100 = 2 bins: 100 -> bin0 (full),
+    # 60 -> bin1 (40 left), 50 does not fit and there is no third bin, 40 -> bin1 (full); 30, 10,
+    # 10 wait. micro 2: width max(50, 100 // 2) = 50, 5 bins: 50 -> bin0 (full), 30 -> bin1, then
+    # 10 and 10 -> bin1 (full).
+    micro = micro_batches(LENGTHS, budget=250, dynamic=True, packed=True, all_reduce=False)
+    assert micro == [[[2], [1, 6]], [[4], [3, 0, 5]]]
+    load = micro_batch_load(LENGTHS, micro)  # 2 x 100 + 2 x 50 padded tokens hold all 300 real ones
+    assert (load["padded_tokens"], load["max_tokens_per_micro_batch"]) == (300, 200)
+    # 200 // 100 = 2 bins of width 100 take everything: 100 | 60 + 20 + 20
+    assert micro_batches([100, 60, 20, 20], budget=200, dynamic=True, packed=True) == [[[0], [1, 2, 3]]]
+    # widths never drop below half the longest: after 100, the rows are max(20, 100 // 2) = 50
+    # wide, so 20 and 20 share one instead of each padding a row of their own
+    assert micro_batches([100, 20, 20], budget=100, dynamic=True, packed=True) == [[[0]], [[1, 2]]]
+
+
+def test_token_budget_one_sequence_per_row():
+    # packed=False (the reward model): width = longest left, budget // width rows.
+    # 250 // 100 = 2 rows (100, 60); then 250 // 50 = 5 rows (50, 40, 30, 10, 10)
+    micro = micro_batches(LENGTHS, budget=250, dynamic=True, packed=False)
+    assert micro == [[[2], [1]], [[4], [6], [3], [0], [5]]]
+    load = micro_batch_load(LENGTHS, micro)
+    assert (load["padded_tokens"], load["max_tokens_per_micro_batch"]) == (450, 250)
 
 
 def test_token_budget_below_longest_sequence_is_refused():
-    with pytest.raises(ValueError, match=r"max_token_len_per_gpu=500 is below the longest sequence \(600 tokens, row 1\)"):
-        token_budget_micro_batches([100, 600, 50], 500)
+    with pytest.raises(ValueError, match=r"token budget critic.ppo_max_token_len_per_gpu=500 is below the "
+                                         r"longest sequence \(600 tokens, row 1\)"):
+        micro_batches([100, 600, 50], budget=500, dynamic=True, packed=True,
+                      budget_key="critic.ppo_max_token_len_per_gpu")
+    with pytest.raises(ValueError, match="=None is below the longest sequence"):
+        micro_batches([100], dynamic=True, packed=False)
+
+
+def rank_main(ctx, rank, world):
+    """Each of 2 gloo ranks groups its own lengths (run by stages.launch.run_ranks)."""
+    import torch.distributed as dist
+
+    from stages.launch import init_distributed
+
+    init_distributed("cpu")
+    lens = ctx["lens"][rank]
+    local = micro_batches(lens, budget=ctx["budget"], dynamic=True, packed=True, all_reduce=False)
+    reduced = micro_batches(lens, budget=ctx["budget"], dynamic=True, packed=True, group=dist.group.WORLD)
+    static = micro_batches(lens, rows_per_micro=2, dynamic=False, packed=True)
+    return {"local": local, "reduced": reduced, "static": static}
 
 
 def test_token_budget_count_is_all_reduced_over_ranks():
-    """Rank 0 needs 2 micro-batches, rank 1 only 1: with the group both run 2 (real gloo ranks)."""
-    results = run_ranks("tests._batching_ranks", {"lens": [[600, 600, 600], [100, 100, 100]],
-                                                  "budget": 1000}, world=2, timeout_s=600)
-    assert [r["local"] for r in results] == [2, 1]
-    assert [r["reduced"] for r in results] == [2, 2]
-    assert sorted(len(mb) for mb in results[1]["micro_batches"]) == [1, 2]
+    """Rank 0 needs 3 micro-batches, rank 1 only 1: with the group both run 3 (real gloo ranks)."""
+    results = run_ranks("tests.test_batching", {"lens": [[600, 600, 600], [100, 100, 100]],
+                                                "budget": 1000}, world=2, timeout_s=600)
+    # rank 0: width 600, 1000 // 600 = 1 bin per micro-batch -> 3; rank 1: width 100, 10 bins,
+    # all three rows in one micro-batch
+    assert [r["local"] for r in results] == [[[[0]], [[1]], [[2]]], [[[0], [1], [2]]]]
+    # rank 1 splits its micro-batch with the most rows until it has 3: its 3 bins in halves
+    # ([0] | [1], [2]), then [1], [2] in halves
+    assert [r["reduced"] for r in results] == [[[[0]], [[1]], [[2]]], [[[0]], [[1]], [[2]]]]
+    # static counts are not all-reduced: 2 rows per micro-batch on both ranks
+    assert [len(r["static"]) for r in results] == [2, 2]
+
+
+def test_split_reaches_another_ranks_count_by_halving_bins():
+    # lengths 5, 2, 2, budget 10: width 5, 2 bins: [0] (full) and [1, 2] -> one micro-batch.
+    # Another rank needs 3: the micro-batch's two bins go into two micro-batches, then the bin
+    # [1, 2] (the most rows) into [1] and [2].
+    import stages.binning as binning
+
+    original = binning.max_over_ranks
+    try:
+        binning.max_over_ranks = lambda value, group=None, all_reduce=True: 3
+        micro = micro_batches([5, 2, 2], budget=10, dynamic=True, packed=True)
+        with pytest.raises(ValueError, match="another rank needs 3 micro-batches but this rank has only 2 rows"):
+            micro_batches([5, 2], budget=10, dynamic=True, packed=True)
+    finally:
+        binning.max_over_ranks = original
+    assert micro == [[[0]], [[1]], [[2]]]
 
 
 def test_restore_order():
@@ -122,15 +189,16 @@ def test_collate_refuses_empty_prompt():
 
 def test_load_line_numbers():
     seqlens = [40, 40, 30, 50]
-    prompt_lengths = [20, 30, 10, 20]
-    mbs = [[0, 1], [2, 3]]
-    load = micro_batch_load(seqlens, mbs, prompt_lengths=prompt_lengths)
-    # mb0: prompts 20/30 -> P 30, responses 20/10 -> R 20, 2 rows x 50 = 100 padded, 80 real
-    # mb1: prompts 10/20 -> P 20, responses 20/30 -> R 30, 2 x 50 = 100 padded, 80 real
-    assert (load["rows"], load["real_tokens"], load["padded_tokens"]) == (4, 160, 200)
-    assert load["max_tokens_per_micro_batch"] == 100
-    assert load["padding_fraction"] == pytest.approx(0.2)
-    assert format_load_line(1, load) == "rank 1: 4 rows, 2 micro-batches, 160 tokens (max 100 per micro-batch, padding 20 %)"
+    micro = [[[0], [1]], [[2, 3]]]  # one sequence per row, then two sequences in one row
+    load = micro_batch_load(seqlens, micro)
+    # mb0: 2 bins x 40 = 80 padded, 80 real; mb1: 1 bin x 80 = 80 padded, 80 real
+    assert (load["rows"], load["real_tokens"], load["padded_tokens"]) == (4, 160, 160)
+    load = micro_batch_load(seqlens, [[[0], [2]], [[1], [3]]])
+    # mb0: 2 x 40 = 80 padded, 70 real; mb1: 2 x 50 = 100 padded, 90 real
+    assert (load["rows"], load["real_tokens"], load["padded_tokens"]) == (4, 160, 180)
+    assert load["max_tokens_per_micro_batch"] == 100 and load["max_real_tokens_per_micro_batch"] == 90
+    assert load["padding_fraction"] == pytest.approx(20 / 180)
+    assert format_load_line(1, load) == "rank 1: 4 rows, 2 micro-batches, 160 tokens (max 100 per micro-batch, padding 11 %)"
     big = {"rows": 360, "micro_batches": 12, "real_tokens": 17280, "padded_tokens": 17800,
            "max_tokens_per_micro_batch": 1536, "padding_fraction": 0.03}
     assert format_load_line(1, big) == ("rank 1: 360 rows, 12 micro-batches, 17,280 tokens "
@@ -144,53 +212,24 @@ def test_pad_per_token_refuses_too_long_rows():
     assert batching.WORKLOAD_COEFF == 24576
 
 
-def test_pack_layout():
+def test_collate_bins_layout():
     rows = [{"prompt_ids": [11, 12, 13], "response_ids": [21, 22]},
-            {"prompt_ids": [14], "response_ids": [23, 24, 25, 26]}]
-    b = pack(rows)
-    assert b["input_ids"].tolist() == [[11, 12, 13, 21, 22, 14, 23, 24, 25, 26]]
-    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]]
-    # the logit at flat position t predicts token t+1: 13->21, 21->22, 14->23, ...
-    assert b["pred_index"].tolist() == [2, 3, 5, 6, 7, 8]
-    assert b["targets"].tolist() == [21, 22, 23, 24, 25, 26]
-    assert (b["response_lengths"], b["response_width"]) == ([2, 4], 4)
-    load = micro_batch_load([5, 5], [[0, 1]], packed=True)
-    assert (load["real_tokens"], load["padded_tokens"], load["padding_fraction"]) == (10, 10, 0.0)
-
-
-def test_bins_longest_first_and_micro_batches_within_budget():
-    from stages.binning import binned_micro_batches
-
-    # lengths (by index) 10, 60, 100, 30, 50, 10, 40; budget 250. By hand, longest first:
-    # micro 1: width 100, 250 // 100 = 2 bins: 100 -> bin0 (full), 60 -> bin1 (40 left),
-    #   50 does not fit (no third bin), 40 -> bin1 (full); 30, 10, 10 wait.
-    # micro 2: width max(50, 100 // 2) = 50, 5 bins: 50 -> bin0 (full), 30 -> bin1, 10, 10 -> bin1.
-    lengths = [10, 60, 100, 30, 50, 10, 40]
-    micro = binned_micro_batches(lengths, 250, all_reduce=False)
-    assert micro == [[[2], [1, 6]], [[4], [3, 0, 5]]]
-    # 2 x 100 + 2 x 50 padded tokens hold all 300 real ones
-    assert sum(max(sum(lengths[i] for i in b) for b in mb) * len(mb) for mb in micro) == 300
-    # 200 // 100 = 2 bins of width 100 take everything: 100 | 60 + 20 + 20
-    assert binned_micro_batches([100, 60, 20, 20], 200, all_reduce=False) == [[[0], [1, 2, 3]]]
-    # widths never drop below half the longest: after 100, the rows are max(20, 100 // 2) = 50
-    # wide, so 20 and 20 share one instead of each padding a row of their own
-    assert binned_micro_batches([100, 20, 20], 100, all_reduce=False) == [[[0]], [[1, 2]]]
-    with pytest.raises(ValueError, match="below the longest sequence"):
-        binned_micro_batches(lengths, 99, all_reduce=False)
-
-
-def test_bins_split_to_reach_another_ranks_count():
-    from stages.binning import binned_micro_batches
-
-    # lengths 5, 2, 2: bins [0] and [1, 2] (width 5), budget 10 -> one micro-batch of both bins.
-    # Another rank needs 3: split the bins into two micro-batches, then the bin [1, 2] into two bins
-    import stages.batching as b
-
-    original = b._max_over_group
-    try:
-        b._max_over_group = lambda value, group, all_reduce: 3
-        micro = binned_micro_batches([5, 2, 2], 10)
-    finally:
-        b._max_over_group = original
-    assert micro == [[[0]], [[1]], [[2]]]
-
+            {"prompt_ids": [14], "response_ids": [23, 24, 25, 26]},
+            {"prompt_ids": [15, 16], "response_ids": [27]}]
+    b = collate_bins([[rows[0], rows[2]], [rows[1]]], pad_id=0)
+    # bin 0: rows 0 and 2 back to back (5 + 3 = 8 tokens, the width); bin 1: row 1 (5) + 3 pad
+    assert b["input_ids"].tolist() == [[11, 12, 13, 21, 22, 15, 16, 27], [14, 23, 24, 25, 26, 0, 0, 0]]
+    # positions restart per sequence; a tail continues the last sequence (no extra segment)
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]]
+    # the hidden state at flat position t predicts token t+1: 13->21, 21->22, 16->27, 14->23, ...
+    # rows in bin order: 0, 2, 1
+    assert b["pred_index"].tolist() == [2, 3, 6, 8, 9, 10, 11]
+    assert b["targets"].tolist() == [21, 22, 27, 23, 24, 25, 26]
+    assert b["response_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert (b["response_lengths"], b["response_width"]) == ([2, 1, 4], 4)
+    assert (b["real_tokens"], b["padded_tokens"]) == (13, 16)
+    load = micro_batch_load([5, 5, 3], [[[0, 2], [1]]])  # the same count as the batch reports
+    assert (load["real_tokens"], load["padded_tokens"]) == (13, 16)
+    assert load["padding_fraction"] == pytest.approx(3 / 16)
+    with pytest.raises(ValueError, match="row 1 has an empty prompt_ids"):
+        collate_bins([[rows[0], {"prompt_ids": [], "response_ids": [2]}]], pad_id=0)

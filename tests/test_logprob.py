@@ -1,9 +1,10 @@
-"""logprob stage: values equal a single full-batch forward (static and token-budget micro-batches,
-1 and 2 real ranks), entropy, critic values, stored permutation, and clear errors."""
+"""logprob stage: log-probs, entropy and critic values equal a single full-batch forward in every
+micro-batch mode (static / token budget x padded / packed, stages.binning) on 1 and 2 real ranks;
+loads and micro-batch records count the bins' real and padded tokens; stored permutation; errors."""
 import pytest
 import torch
 
-from stages import batching, logprob, models
+from stages import batching, binning, logprob, models
 from stages.tiny_model import save_tiny_model
 from storage.artifacts import read_table
 from tests._logprob_rows import make_ctx, rollout_rows, write_rollout
@@ -18,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rows(model_dir):
-    return rollout_rows(models.load_tokenizer(model_dir), n_prompts=4, n=2, max_response=16, seed=0)
+    return rollout_rows(models.load_tokenizer(model_dir), n_prompts=4, n=2, max_response=40, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,14 @@ def run_stage(tmp_path, model_dir, rows, overrides=(), ranks=1):
 
 
 DYNAMIC = ["actor_rollout_ref.actor.use_dynamic_bsz=true",
-           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"]
+           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200"]
+PACKED = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
+MODES = {"static-padded": [], "static-packed": PACKED, "dynamic-padded": DYNAMIC, "dynamic-packed": DYNAMIC + PACKED}
+CRITIC = ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2", "trainer.seed=1"]
+
+
+def seqlens_of(rows):
+    return [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
 
 
 def test_static_one_rank_equals_full_batch(tmp_path, model_dir, rows, full_batch, capsys):
@@ -65,55 +73,61 @@ def test_static_one_rank_equals_full_batch(tmp_path, model_dir, rows, full_batch
     loads = manifest["extra"]["loads"]["actor"]
     assert [(x["rows"], x["micro_batches"]) for x in loads] == [(8, 3)]  # 3 + 3 + 2 rows
     assert "logprob step 1 actor rank 0: 8 rows, 3 micro-batches" in capsys.readouterr().out
-    assert manifest["extra"]["permutation"] == batching.balance_partitions(
-        [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows], 1)[0]
+    assert manifest["extra"]["permutation"] == batching.balance_partitions(seqlens_of(rows), 1)[0]
+    # one sequence per tensor row, each micro-batch padded to its longest sequence
+    lens = [seqlens_of(rows)[i] for i in manifest["extra"]["permutation"]]
+    chunks = [lens[0:3], lens[3:6], lens[6:8]]
+    assert loads[0]["padded_tokens"] == sum(len(c) * max(c) for c in chunks)
+    assert loads[0]["packed"] is False and loads[0]["token_budget"] is None
 
 
-def test_dynamic_one_rank_equals_full_batch(tmp_path, model_dir, rows, full_batch):
-    ctx, manifest, table = run_stage(tmp_path, model_dir, rows, DYNAMIC)
-    assert ctx.plan["rollout"]["log_prob_use_dynamic_bsz"] is True
-    assert_close(table.column("old_log_probs").to_pylist(), full_batch["old_log_probs"])
-    assert_close(table.column("entropy").to_pylist(), full_batch["entropy"])
-    seqlens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
-    load = manifest["extra"]["loads"]["actor"][0]
-    expected = batching.token_budget_micro_batches(seqlens, 64)
-    assert load["micro_batches"] == len(expected) > 1
-    assert load["real_tokens"] == sum(seqlens)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_one_rank_equals_full_batch(tmp_path, model_dir, rows, full_batch, mode):
+    """Static / token budget x padded / packed: the same values as the reference forward; loads
+    and records count the bins the stage ran (packed bins here hold several sequences)."""
+    ctx, manifest, table = run_stage(tmp_path, model_dir, rows, MODES[mode] + CRITIC + [f"critic.model.path={model_dir}"])
+    for key in ("old_log_probs", "entropy", "values"):
+        assert_close(table.column(key).to_pylist(), full_batch[key])
+    assert_close(table.column("ref_log_probs").to_pylist(), full_batch["old_log_probs"])
+    dynamic, packed = mode.startswith("dynamic"), mode.endswith("packed") or mode.startswith("dynamic")
+    lens = [seqlens_of(rows)[i] for i in manifest["extra"]["permutation"]]
+    micro = binning.micro_batches(lens, rows_per_micro=3, budget=200, dynamic=dynamic, packed=packed)
+    assert any(len(b) > 1 for mb in micro for b in mb) == packed
+    expected = binning.micro_batch_load(lens, micro)
+    for role in ("actor", "ref"):
+        (load,) = manifest["extra"]["loads"][role]
+        assert {k: load[k] for k in expected} == expected
+        assert (load["packed"], load["token_budget"]) == (packed, 200 if dynamic else None)
+        (records,) = manifest["extra"]["micro_batches"][role]
+        assert records["rows"] == [[manifest["extra"]["permutation"][i] for i in binning.rows_of(mb)]
+                                   for mb in micro]
+        assert sum(records["padded_tokens"]) == load["padded_tokens"]
+        assert sum(records["real_tokens"]) == load["real_tokens"] == sum(lens)
+    if dynamic:
+        assert all(p <= 200 for p in manifest["extra"]["micro_batches"]["actor"][0]["padded_tokens"])
 
 
-PACKED = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
-
-
-def test_packed_static_one_rank_equals_full_batch(tmp_path, model_dir, rows, full_batch):
-    """use_remove_padding: each micro-batch is one unpadded sequence; same values, no padding."""
-    ctx, manifest, table = run_stage(tmp_path, model_dir, rows, PACKED)
-    assert_close(table.column("old_log_probs").to_pylist(), full_batch["old_log_probs"])
-    assert_close(table.column("entropy").to_pylist(), full_batch["entropy"])
-    load = manifest["extra"]["loads"]["actor"][0]
-    assert load["packed"] is True and load["padded_tokens"] == load["real_tokens"]
-    assert load["padding_fraction"] == 0.0
-
-
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic-packed"])
-def test_two_ranks_equal_full_batch(tmp_path, model_dir, rows, full_batch, dynamic):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_ranks_equal_full_batch(tmp_path, model_dir, rows, full_batch, mode):
     """Real torchrun with 2 gloo ranks; PPO (gae) so the critic's values come back too."""
-    extra = ["algorithm.adv_estimator=gae", f"critic.model.path={model_dir}",
-             "critic.ppo_micro_batch_size_per_gpu=2", "trainer.seed=1"] + (PACKED if dynamic else [])
-    ctx, manifest, table = run_stage(tmp_path, model_dir, rows, (DYNAMIC if dynamic else []) + extra,
-                                     ranks=2)
+    extra = MODES[mode] + CRITIC + [f"critic.model.path={model_dir}"]
+    ctx, manifest, table = run_stage(tmp_path, model_dir, rows, extra, ranks=2)
     assert manifest["extra"]["world"] == 2
     assert_close(table.column("old_log_probs").to_pylist(), full_batch["old_log_probs"])
     assert_close(table.column("entropy").to_pylist(), full_batch["entropy"])
     assert_close(table.column("ref_log_probs").to_pylist(), full_batch["old_log_probs"])
     assert_close(table.column("values").to_pylist(), full_batch["values"])
-    seqlens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
-    parts = batching.balance_partitions(seqlens, 2)
+    parts = batching.balance_partitions(seqlens_of(rows), 2)
     assert manifest["extra"]["permutation"] == parts[0] + parts[1]
     assert table.column("rank").to_pylist() == [0 if i in parts[0] else 1 for i in range(8)]
     assert [x["rows"] for x in manifest["extra"]["loads"]["critic"]] == [4, 4]
-    if dynamic:  # both ranks run the same (all-reduced) number of micro-batches
-        counts = [x["micro_batches"] for x in manifest["extra"]["loads"]["actor"]]
-        assert counts[0] == counts[1]
+    for rank, part in enumerate(parts):
+        records = manifest["extra"]["micro_batches"]["actor"][rank]
+        assert sorted(i for r in records["rows"] for i in r) == sorted(part)
+        assert sum(records["real_tokens"]) == sum(seqlens_of(rows)[i] for i in part)
+    # both ranks run the same (all-reduced when dynamic) number of micro-batches
+    counts = [x["micro_batches"] for x in manifest["extra"]["loads"]["actor"]]
+    assert counts[0] == counts[1]
 
 
 def test_temperature_divides_logits(tmp_path, model_dir, rows):
