@@ -83,6 +83,58 @@ def update(model, args, device, n_params: int) -> dict:
     return out
 
 
+def resident_engines(model, args, device) -> dict:
+    """The rollout engines as a training run keeps them (stages.engines): started once, new weights
+    loaded in place, asleep while the update trains (GPU memory freed), woken for the next step.
+    hf always; vLLM (sleep mode level 2 + reload_weights) when vllm is importable here."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from stages.engines import EngineOptions, Sampling, derive_seed, engine_class, make_spec
+    from stages.tiny_model import train_tokenizer
+
+    out = {}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as in a rollout worker process
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        model.save_pretrained(folder)
+        train_tokenizer(512).save_pretrained(folder)  # ids below 512 are valid for the big vocab too
+        prompts = [[11 + (i % 97)] * args.prompt_len for i in range(args.rollout_prompts)]
+        model.generation_config.eos_token_id = [2]
+        seeds = [derive_seed(0, i) for i in range(len(prompts))]
+        sampling = Sampling(temperature=1.0, max_new_tokens=args.response_len, n=1)
+        rollout = {"dtype": "bfloat16" if args.dtype == "bf16" else "float32", "hf_generate_batch_size": 64,
+                   "gpu_memory_utilization": 0.3, "free_cache_engine": True, "enforce_eager": False}
+        names = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
+        for name in names:
+            options = EngineOptions(model_dir=folder, rollout=rollout, device=device,
+                                    max_model_len=args.prompt_len + args.response_len)
+            engine = engine_class(name)()
+            rec = {"start_s": engine.start(make_spec(options, name, 0, 1))["engine_start_s"]}
+            t0 = time.perf_counter()
+            engine.generate(prompts, seeds, sampling, 0, 1, rollout)
+            rec["generate_s"] = round(time.perf_counter() - t0, 3)
+            sync(device)
+            free_awake = torch.cuda.mem_get_info()[0] if device == "cuda" else 0
+            t0 = time.perf_counter()
+            engine.sleep()
+            sync(device)
+            rec["sleep_s"] = round(time.perf_counter() - t0, 3)
+            rec["freed_gib"] = round(((torch.cuda.mem_get_info()[0] if device == "cuda" else 0) - free_awake) / 2**30, 2)
+            rec["load_weights_s"] = engine.load_weights(folder)["load_weights_s"]  # wakes it first
+            t0 = time.perf_counter()
+            engine.generate(prompts, seeds, sampling, 0, 1, rollout)
+            rec["generate_after_reload_s"] = round(time.perf_counter() - t0, 3)
+            engine.stop()
+            del engine
+            torch.cuda.empty_cache() if device == "cuda" else None
+            out[name] = rec
+        if "vllm" not in names:
+            out["vllm"] = "not installed on this machine (its wheel is too large to carry): skipped"
+    return out
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -106,6 +158,7 @@ def main() -> None:
     summary = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "params": n_params}
     summary["rollout_hf"] = rollout(model, args, args.device)
+    summary["resident_engines"] = resident_engines(model, args, args.device)
     summary["update_deepspeed_zero2"] = update(model, args, args.device, n_params)
     print(json.dumps(summary, indent=2))
 

@@ -356,5 +356,7 @@ def _reward_model(cfg, world: int, rows: int) -> dict:
     if micro is None:
         micro = get_path(cfg, "reward_model.micro_batch_size_per_gpu")
     per_rank = rows // world
+    budget = get_path(cfg, "reward_model.forward_max_token_len_per_gpu") if dynamic else None
     return {"micro_batch_size_per_gpu": micro, "use_dynamic_bsz": bool(dynamic),
+            "forward_max_token_len_per_gpu": budget,
             "forward_passes_per_rank": None if dynamic or not micro else ceil(per_rank / micro)}

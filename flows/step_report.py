@@ -87,6 +87,8 @@ def step_metrics(ctx, summaries: dict | None = None) -> dict:
     except Exception:
         pass
     for stage, summary in (summaries or {}).items():
+        if summary and not read_manifest(ctx.store, ctx.layout, ctx.step, stage):
+            metrics.update(_scalars(summary.get("metrics") or {}))  # committing in the background
         if summary and summary.get("seconds") is not None:
             metrics[f"timing_s/{stage}"] = summary["seconds"]
     return metrics

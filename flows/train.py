@@ -13,7 +13,7 @@ import time
 
 from prefect import flow
 
-from flows.step import (check_stage_deployments, logger, make_context, register_run, rl_step,
+from flows.step import (check_stage_deployments, is_retryable, logger, make_context, register_run, rl_step,
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from flows.step_report import log_line, step_metrics, wait_published
 from stages.session import RunSession
@@ -148,7 +148,10 @@ def weights_to_delete(steps: list[int], latest: int, save_freq: int, keep: int |
     kept = sorted(saved + ([latest] if latest in steps else []))
     if keep is not None and keep > 0 and len(kept) > keep:
         kept = sorted(set(kept[-keep:]) | {latest})
-    return [k for k in steps if k not in kept and 0 < k < latest]  # step 0: the warm start (reference)
+    # the newest complete folder is kept too: while `latest` is still being committed in the
+    # background, the step before it is what a resume samples from
+    newest = max(steps, default=None)
+    return [k for k in steps if k not in kept and k != newest and 0 < k < latest]  # step 0: the warm start (reference)
 
 
 def prune_weights(store: Store, layout: RunLayout, latest: int, cfg: dict) -> list[int]:
@@ -242,7 +245,10 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
     lock = acquire_lock(store, layout, force_lock)
     sinks = MetricSinks(cfg)
     pool, run_uri = None, None
-    session = RunSession()  # the run's resident workers (rollout engines, reward scorers)
+    orch = cfg["orchestration"]
+    # the run's resident workers (rollout engines, reward scorers) and background commits
+    session = RunSession(retries=int(orch.get("storage_retries", 3)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
+                         retryable=is_retryable)
     try:
         check_run_json(store, layout, cfg, plan,
                        {"config": config, "overrides": list(overrides or []),
@@ -260,6 +266,7 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
             warm = getattr(stage_module("rollout"), "warm_up", None)
             if warm is not None:
                 warm(make_context(run_uri, 1, step_extra(dataset, 1, total)))
+        pool = start_rank_pool(cfg, plan)  # in the background too
         if (cfg.get("warmstart") or {}).get("enable"):  # stages.warmstart: step 0, once, resumable
             from flows.step import task_result, retry_options, stage_task
 
@@ -267,7 +274,6 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
                 "warmstart", run_uri, 0, step_extra(dataset, 1, total), return_state=True))
         if trainer["val_before_train"] and not _first_done(run_uri, total, dataset):
             _log_validation(sinks, 0, validate(run_uri, 0, step_extra(dataset, 1, total)))
-        pool = start_rank_pool(cfg, plan)
         with subflow_heartbeats_off():  # the steps' subflows (flows.step)
             for step in range(1, total + 1):
                 t0 = time.perf_counter()  # timing_s/step: the whole iteration except validation
@@ -290,6 +296,7 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
                 sinks.log(step, last)
                 if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
                     _log_validation(sinks, step, validate(run_uri, step, extra))
+        session.wait_commits()  # the last update is in the store before the run reports done
         return {"run": run_uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
                 "last_metrics": last}
     finally:
@@ -322,7 +329,7 @@ def start_rank_pool(cfg: dict, plan: dict):
     from stages.rank_pool import RankPool, activate
 
     pool = activate(RankPool(world, str(cfg["trainer"]["device"])))
-    pool.start()
+    pool.start(wait=False)  # the ranks start while the first rollout runs; the first job waits
     return pool
 
 

@@ -82,6 +82,11 @@ class StageContext:
     def _load_weights(self, k: int) -> Path:
         from storage.weights import load_weights
 
+        if self.session is not None:  # step k's weights may still be on their way to the store
+            local = self.session.local_weights(k)
+            if local is not None:
+                return Path(local)
+
         return load_weights(self.store, self.layout, k, cache_dir=self.get("storage.cache_dir"))
 
     def to_json(self) -> str:

@@ -71,8 +71,10 @@ class RankPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def start(self) -> None:
-        """Start torchrun with the rank servers and wait until every rank has its process group."""
+    def start(self, wait: bool = True) -> None:
+        """Start torchrun with the rank servers and wait until every rank has its process group
+        (wait=False: return at once; the first submit waits, so the ranks' start-up overlaps
+        whatever the caller does first, e.g. a training run's first rollout)."""
         from stages.launch import REPO_ROOT, free_port
 
         if not self.owner:
@@ -104,7 +106,13 @@ class RankPool:
         (self.work_dir / "pool.json").write_text(json.dumps(
             {"pid": self.proc.pid, "world": self.world, "device": self.device}))
         _OPEN.add(self)
-        deadline = time.monotonic() + self.start_timeout_s
+        self._started_at = time.monotonic()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every rank of the started pool has its process group (or fail naming why)."""
+        deadline = getattr(self, "_started_at", time.monotonic()) + self.start_timeout_s
         while not all((self.work_dir / f"ready_{r}").exists() for r in range(self.world)):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"rank pool did not start (torchrun exit code {self.proc.returncode}); "
@@ -170,6 +178,8 @@ class RankPool:
                     print(f"rank pool: ranks are gone (last stderr:\n{self._stderr_tail()[-800:]}); restarting",
                           file=sys.stderr, flush=True)
                 self.start()
+            elif self.owner:
+                self.wait_ready()
             next_file = self.work_dir / "next_id"
             job_id = int(next_file.read_text()) if next_file.exists() else 0
             next_file.write_text(str(job_id + 1))

@@ -22,6 +22,7 @@ import time
 
 import pyarrow as pa
 
+from stages.batching import restore_order
 from storage.artifacts import read_table, write_table
 from storage.schemas import make_table
 
@@ -43,14 +44,13 @@ def run(ctx) -> dict:
     t0 = time.perf_counter()
     rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
     rows = scoring_rows(rollout, ctx.get("data.reward_fn_key", "data_source"))
-    fn_spec = {"path": ctx.get("custom_reward_function.path"),
-               "name": ctx.get("custom_reward_function.name"),
-               "reward_kwargs": ctx.get("custom_reward_function.reward_kwargs") or {}}
+    fn_spec = reward_fn_spec(ctx)
     from stages.reward_fns import score_batch
 
-    results, metrics = score_batch(rows, fn_spec, num_workers=int(ctx.get("reward.num_workers", 2)),
-                                   timeout_s=float(ctx.get("reward.timeout_s", 10.0)),
-                                   strict=bool(ctx.get("reward.strict", False)))
+    workers, timeout = int(ctx.get("reward.num_workers", 2)), float(ctx.get("reward.timeout_s", 10.0))
+    pool = ctx.session.scorers(fn_spec, workers, timeout) if ctx.session is not None else None
+    results, metrics = score_batch(rows, fn_spec, num_workers=workers, timeout_s=timeout,
+                                   strict=bool(ctx.get("reward.strict", False)), pool=pool)
     timings = {"score_s": round(time.perf_counter() - t0, 4)}
     scores = [r["score"] for r in results]
     rm_scores = None
@@ -69,6 +69,12 @@ def run(ctx) -> dict:
     return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table, fingerprint=fingerprint,
                        inputs=ctx.input_fingerprints(INPUTS), timings=timings,
                        extra={"metrics": metrics})
+
+
+def reward_fn_spec(ctx) -> dict:
+    """verl's custom_reward_function keys (no path: the built-in scorers)."""
+    return {"path": ctx.get("custom_reward_function.path"), "name": ctx.get("custom_reward_function.name"),
+            "reward_kwargs": ctx.get("custom_reward_function.reward_kwargs") or {}}
 
 
 def stage_fingerprint(ctx) -> str:
@@ -184,9 +190,9 @@ def reward_model_scores(ctx, rollout: pa.Table) -> list[float]:
     if max_length:
         encoded = [ids[-int(max_length):] for ids in encoded]  # keep the response end
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    scores: list[float] = []
+    batches, chunks = rm_batches(ctx, encoded), []
     with torch.no_grad():
-        for batch in rm_batches(ctx, encoded):
+        for batch in batches:
             width = max(len(encoded[i]) for i in batch)
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             attn = torch.zeros((len(batch), width), dtype=torch.long)
@@ -196,9 +202,9 @@ def reward_model_scores(ctx, rollout: pa.Table) -> list[float]:
             logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
             # transformers pools at the rightmost token != pad id: wrong only when a text ends in
             # the pad token itself, then those rows are scored one by one without padding
-            scores.extend(logits[:, 0].float().cpu().tolist() if _pad_safe(encoded, batch, pad)
+            chunks.append(logits[:, 0].float().cpu().tolist() if _pad_safe(encoded, batch, pad)
                           else _last_token_scores(model, ids, attn, device))
-    return scores
+    return restore_order(chunks, batches)  # token-budget batches are not in row order
 
 
 def _pad_safe(encoded, batch, pad) -> bool:
@@ -215,23 +221,21 @@ def _last_token_scores(model, ids, attn, device) -> list[float]:
 
 
 def rm_batches(ctx, encoded: list) -> list[list[int]]:
-    """Row batches: reward_model.micro_batch_size_per_gpu rows (from the plan), or with
-    use_dynamic_bsz rows in order up to forward_max_token_len_per_gpu padded tokens."""
+    """Row batches from the plan, grouped as every stage's micro-batches (binning.micro_batches)
+    with one sequence per tensor row (the head reads each row's last token):
+    micro_batch_size_per_gpu consecutive rows, or with use_dynamic_bsz at most
+    forward_max_token_len_per_gpu padded tokens per batch, longest rows first."""
+    from stages.binning import micro_batches, rows_of
+
     plan_rm = (ctx.plan or {}).get("reward_model") or {}
-    if plan_rm.get("use_dynamic_bsz"):
-        budget = int(ctx.get("reward_model.forward_max_token_len_per_gpu"))
-        batches, current, width = [], [], 0
-        for i, ids in enumerate(encoded):
-            new_width = max(width, len(ids))
-            if current and new_width * (len(current) + 1) > budget:
-                batches.append(current)
-                current, new_width = [], len(ids)
-            current.append(i)
-            width = new_width
-        return batches + ([current] if current else [])
-    micro = plan_rm.get("micro_batch_size_per_gpu") or ctx.get("reward_model.micro_batch_size_per_gpu")
-    if not micro:
+    dynamic = bool(plan_rm.get("use_dynamic_bsz"))
+    micro = plan_rm.get("micro_batch_size_per_gpu")
+    if not dynamic and not micro:
         raise ValueError("reward_model.enable needs reward_model.micro_batch_size_per_gpu "
                          "(rows per reward-model forward) or reward_model.use_dynamic_bsz")
-    micro = int(micro)
-    return [list(range(s, min(s + micro, len(encoded)))) for s in range(0, len(encoded), micro)]
+    key = "reward_model.forward_max_token_len_per_gpu"
+    budget = plan_rm.get("forward_max_token_len_per_gpu") if dynamic else None
+    budget = int(budget) if budget is not None else None
+    groups = micro_batches([len(ids) for ids in encoded], rows_per_micro=micro, budget=budget,
+                           dynamic=dynamic, packed=False, all_reduce=False, budget_key=key)
+    return [rows_of(group) for group in groups]

@@ -42,8 +42,9 @@ def stage_fingerprint(ctx) -> str:
     if ctx.step <= 1 and not ctx.get("warmstart.enable"):
         return base  # the initial model: its path is in CONFIG_KEYS
     step, stage = (ctx.step - 1, "update") if ctx.step > 1 else (0, "warmstart")
-    manifest = read_manifest(ctx.store, ctx.layout, step, stage) or {}
-    return hash_obj({"base": base, "policy": manifest.get("fingerprint")})
+    pending = ctx.session.pending_fingerprint(step, stage) if ctx.session is not None else None
+    policy = pending or (read_manifest(ctx.store, ctx.layout, step, stage) or {}).get("fingerprint")
+    return hash_obj({"base": base, "policy": policy})
 
 
 def _engine_options(ctx, model_dir) -> EngineOptions:
@@ -108,7 +109,9 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     if purpose != STAGE:
         options.prompts_per_replica = None  # not a training batch: split evenly over the replicas
     engine = ctx.get(f"{ROLLOUT}.name", "hf")
-    gens = rollout_engines(ctx).generate(engine, prompt_ids, seeds, sampling, options)
+    engines = rollout_engines(ctx)
+    gens = engines.generate(engine, prompt_ids, seeds, sampling, options)
+    engines.sleep()  # GPU + rollout.free_cache_engine: the update gets the memory back
 
     prompt_text = tokenizer.batch_decode([p.prompt_ids for p in prompts], skip_special_tokens=False)
     responses = tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
@@ -195,9 +198,11 @@ def run(ctx) -> dict:
         "finish_stop": columns["finish_reason"].count("stop"),
         "model_dir": str(model_dir),
     }
-    return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table,
-                       fingerprint=stage_fingerprint(ctx), inputs={},
-                       timings=timings, extra=extra)
+    fingerprint = stage_fingerprint(ctx)
+    if ctx.session is not None:  # a committed rollout k implies a committed update k-1
+        ctx.session.wait_commits()
+    return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table, fingerprint=fingerprint,
+                       inputs={}, timings=timings, extra=extra)
 
 
 def generate_validation(ctx) -> list[dict]:

@@ -6,6 +6,8 @@ start once per run:
 
 - `engines()`: the rollout replicas' engines (stages.engines.service.RolloutEngines, resident);
 - `scorers(spec, num_workers, timeout_s)`: the reward scorer processes (stages.scorer_pool);
+- `defer(...)` / `wait_commits()`: a stage's commit (uploads, then its manifest) in a background
+  thread, overlapping the next stage (the update's, with the next step's rollout);
 - `memo(key, make)`: small things derived from immutable inputs (a tokenizer by its files'
   checksum, ...), made once per run.
 
@@ -14,12 +16,21 @@ also when it fails. A session holds processes, so it is never written to the sto
 rank: StageContext.to_json leaves it out."""
 from __future__ import annotations
 
+import time
+
+
+class DeferredCommitError(RuntimeError):
+    """A stage's background commit failed: the stage stays incomplete (a resume runs it again)."""
+
 
 class RunSession:
-    def __init__(self, log_dir=None):
+    def __init__(self, log_dir=None, retries: int = 3, retry_delay_s: float = 2.0, retryable=None):
         self.log_dir = log_dir
         self._engines = None
         self._memo: dict = {}
+        self._pending: dict = {}  # (stage, step) -> {"fingerprint", "thread", "error", "local_weights"}
+        self.retries, self.retry_delay_s = int(retries), float(retry_delay_s)
+        self.retryable = retryable or (lambda exc: False)
         self.closed = False
 
     def engines(self):
@@ -45,6 +56,61 @@ class RunSession:
             pool = self._memo["scorers"] = ScorerPool(spec, num_workers, timeout_s)
         return pool
 
+    # ---- background commits -------------------------------------------------------------------
+    def defer(self, stage: str, step: int, fingerprint: str, commit, local_weights=None) -> None:
+        """Run `commit()` (uploads, then the stage's manifest) in a thread; storage errors the
+        retry policy accepts are retried (retries, doubling delays). `local_weights`: a local
+        folder holding the weights of `step` until they are in the store."""
+        import threading
+
+        entry = {"fingerprint": fingerprint, "error": None, "local_weights": local_weights}
+
+        def work():
+            delay = self.retry_delay_s
+            for attempt in range(self.retries + 1):
+                try:
+                    commit()
+                    return
+                except BaseException as exc:  # noqa: BLE001 - kept for wait_commits to raise
+                    if attempt < self.retries and self.retryable(exc):
+                        print(f"{stage} of step {step}: commit failed ({type(exc).__name__}: {exc}); "
+                              f"retrying in {delay:g} s", flush=True)
+                        time.sleep(delay)
+                        delay *= 2
+                        continue
+                    entry["error"] = exc
+                    return
+
+        entry["thread"] = threading.Thread(target=work, name=f"commit-{stage}-{step}", daemon=True)
+        self._pending[(stage, step)] = entry
+        entry["thread"].start()
+
+    def pending_fingerprint(self, step: int, stage: str) -> str | None:
+        """The fingerprint a stage is committing in the background (None: nothing pending)."""
+        entry = self._pending.get((stage, step))
+        return entry["fingerprint"] if entry and entry["error"] is None else None
+
+    def local_weights(self, step: int):
+        """A local folder with step's exported weights while their commit is pending, else None."""
+        for (stage, k), entry in self._pending.items():
+            if k == step and entry.get("local_weights") is not None and entry["error"] is None:
+                return entry["local_weights"]
+        return None
+
+    def wait_commits(self) -> None:
+        """Wait for every background commit; raise DeferredCommitError for a failed one."""
+        failed = []
+        for key, entry in list(self._pending.items()):
+            entry["thread"].join()
+            self._pending.pop(key, None)
+            if entry["error"] is not None:
+                failed.append((key, entry["error"]))
+        if failed:
+            (stage, step), exc = failed[0]
+            raise DeferredCommitError(f"the {stage} stage of step {step} trained but could not be "
+                                      f"committed to the store ({type(exc).__name__}: {exc}); it stays "
+                                      f"incomplete and a resume runs it again") from exc
+
     def memo(self, key, make):
         """make() once per run for `key` (a key must name the inputs' content, not a path)."""
         if key not in self._memo:
@@ -54,6 +120,10 @@ class RunSession:
     def close(self) -> None:
         """Stop every process the session started (idempotent)."""
         self.closed = True
+        try:
+            self.wait_commits()  # never leave a trained step uncommitted when avoidable
+        except DeferredCommitError as exc:
+            print(f"warning: {exc}", flush=True)
         if self._engines is not None:
             self._engines.close()
             self._engines = None

@@ -24,12 +24,13 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from stages.batching import format_load_line
 from storage.artifacts import read_manifest, write_stage
 from storage.schemas import make_table
-from storage.weights import load_folder, save_folder, save_weights
+from storage.weights import adopt_folder, folder_hashes, load_folder, save_folder, save_weights
 
 STAGE = "update"
 INPUTS = ("rollout", "logprob", "advantage")
@@ -43,22 +44,22 @@ def state_key(layout, k: int) -> str:
     return f"{layout.train_state}/step_{k:06d}"
 
 
-def _previous_state(ctx, roles) -> dict:
-    """Local folders of train_state/step_{k-1}/<role> (None at step 1)."""
-    if ctx.step <= 1:
-        return {}
-    key = state_key(ctx.layout, ctx.step - 1)
-    out = {}
-    for role in roles:
-        try:
-            out[role] = str(load_folder(ctx.store, f"{key}/{role}", ctx.get("storage.cache_dir")))
-        except Exception as err:  # IncompleteError / FileNotFoundError
-            raise FileNotFoundError(f"update of step {ctx.step} needs the training state of step {ctx.step - 1} "
-                                    f"at {ctx.store.url(f'{key}/{role}')}: {err}") from err
-    return out
+def previous_state(ctx, role: str):
+    """Local folder of train_state/step_{k-1}/<role> (fetched into the local cache if needed).
+    Called by a rank only when it has no engine kept from step k-1 (stages.update_worker), so a
+    run whose rank pool kept its engines never downloads its own checkpoints back."""
+    key = f"{state_key(ctx.layout, ctx.step - 1)}/{role}"
+    try:
+        return load_folder(ctx.store, key, ctx.get("storage.cache_dir"))
+    except Exception as err:  # IncompleteError / FileNotFoundError
+        raise FileNotFoundError(f"update of step {ctx.step} needs the training state of step {ctx.step - 1} "
+                                f"at {ctx.store.url(key)}: {err}") from err
 
 
 def run(ctx) -> dict:
+    """Train on N ranks, then commit. With a run session the commit (uploads of the train state
+    and weights, metrics, manifest) runs in the background, overlapping the next step's rollout,
+    which samples from the exported weights already on this machine; see commit_later."""
     from stages.launch import run_ranks
 
     t0 = time.perf_counter()
@@ -66,24 +67,60 @@ def run(ctx) -> dict:
     roles = ["actor"] + (["critic"] if ctx.plan.get("critic") else [])
     work = Path(tempfile.mkdtemp(prefix=f"stagerl-update-{ctx.step:06d}-"))
     try:
-        ctx.extra["train_state_dirs"] = _previous_state(ctx, roles)
         ctx.extra["update_work_dir"] = str(work)
         t1 = time.perf_counter()
         results = run_ranks("stages.update_worker", ctx, world, device=ctx.get("trainer.device") or "cpu",
                             timeout_s=float(ctx.extra.get("update_timeout_s", 3600)))
         t2 = time.perf_counter()
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    commit = partial(_commit, ctx, work, results, roles, world, t0, t2 - t1)
+    if ctx.session is None or not ctx.get("orchestration.background_commit", True):
+        return commit()
+    return commit_later(ctx, work, results, commit, launch_s=t2 - t1)
+
+
+def commit_later(ctx, work: Path, results: list, commit, launch_s: float) -> dict:
+    """Hand the commit to the session's background thread and return what the step needs now:
+    the exported actor is hashed and moved into the local weights cache first (ctx.actor_weights
+    of step k+1 finds it there through the session), the stage's metrics are returned at once.
+    The next rollout waits for this commit before writing its own manifest, so a committed step
+    k+1 always has a committed update k; a crash before the commit leaves update k incomplete and
+    a resume runs it again from train_state/step_{k-1}."""
+    cache = ctx.get("storage.cache_dir") or ctx.store.cache_dir
+    hashes = folder_hashes(work / "actor_hf")
+    local = adopt_folder(work / "actor_hf", hashes[1], cache) or Path(cache) / "folders" / hashes[1]
+    fingerprint = ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS)
+    ctx.session.defer(STAGE, ctx.step, fingerprint, partial(commit, actor_hashes=hashes),
+                      local_weights=local)
+    metrics = build_metrics(results, launch_s=launch_s, upload_s=0.0)
+    scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {"stage": STAGE, "step": ctx.step, "fingerprint": fingerprint, "row_count": None, "files": {},
+            "timings": {}, "extra": {"metrics": scalars, "committing": "in the background"}}
+
+
+def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, launch_s: float,
+            actor_hashes=None) -> dict:
+    """Upload the ranks' train state and exported weights, then the metrics and the manifest."""
+    try:
+        t2 = time.perf_counter()
         for role in roles:
             save_folder(ctx.store, work / f"{role}_state", f"{state_key(ctx.layout, ctx.step)}/{role}",
                         extra={"step": ctx.step, "world": world})
+        cache = ctx.get("storage.cache_dir") or ctx.store.cache_dir
+        actor_hf = work / "actor_hf"
+        if actor_hashes is not None:  # already moved into the cache (commit_later)
+            actor_hf = Path(cache) / "folders" / actor_hashes[1]
         # the exported folder becomes this machine's cached copy: step k+1's rollout loads it
         # into its engine straight from here, nothing is downloaded back
-        save_weights(ctx.store, ctx.layout, ctx.step, work / "actor_hf", extra={"step": ctx.step},
-                     adopt_into=ctx.get("storage.cache_dir") or ctx.store.cache_dir)
+        save_weights(ctx.store, ctx.layout, ctx.step, actor_hf, extra={"step": ctx.step},
+                     adopt_into=None if actor_hashes is not None else cache, hashes=actor_hashes)
         if "critic" in roles:
             save_folder(ctx.store, work / "critic_hf", ctx.layout.critic_weights(ctx.step),
                         extra={"step": ctx.step})
         t3 = time.perf_counter()
-        metrics = build_metrics(results, launch_s=t2 - t1, upload_s=t3 - t2)
+        metrics = build_metrics(results, launch_s=launch_s, upload_s=t3 - t2)
         for line in metrics["update/load_lines"]:
             print(line, flush=True)
         table = microbatch_table(results, logprob_micro_batches(ctx))

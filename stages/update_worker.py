@@ -19,10 +19,12 @@ Exact loss scaling (token-mean and every other loss_agg_mode):
 Non-finite gradient norm: ZeRO's step detects it (overflow check, bf16 check_grad_overflow on),
 discards the gradients and skips the update; it is counted in actor/skipped_steps with a warning.
 All ranks run the same number of backward passes (token-budget counts are all-reduced MAX), as
-ZeRO-2/3 reduce gradients inside backward. Token-budget micro-batches put several whole sequences
-in each tensor row (stages.binning: first-fit-decreasing bins, block-diagonal attention), not
-verl's KK grouping of padded rows, which mixes long and short rows and pads heavily in a padded
-forward (bench/update.py); the loss is exact for any grouping.
+ZeRO-2/3 reduce gradients inside backward. Micro-batches are stages.binning.micro_batches, the
+logprob stage's grouping: token-budget ones hold at most ppo_max_token_len_per_gpu padded tokens
+with several whole sequences in each tensor row (first-fit bins, longest first, block-diagonal
+attention), not verl's KK grouping of padded rows, which mixes long and short rows and pads
+heavily in a padded forward (bench/update.py); static ones are ppo_micro_batch_size_per_gpu rows,
+packed into bins too with model.use_remove_padding. The loss is exact for any grouping.
 """
 from __future__ import annotations
 
@@ -223,23 +225,19 @@ class UpdateJob:
         global_tokens, global_rows = _all_sum([sum(resp), sum(1 for n in resp if n > 0)], "cpu")
         if global_tokens <= 0:
             raise ValueError(f"step {ctx.step}: a {role.name} mini-batch has no response tokens on any rank")
-        if plan["use_dynamic_bsz"]:  # bins of whole sequences, budget // longest bins each
-            micro = binning.binned_micro_batches(
-                [len(r["prompt_ids"]) + n for r, n in zip(mini_rows, resp)],
-                plan["max_token_len_per_micro_batch"])
-        else:
-            micro = batching.static_micro_batches(len(mini_rows), plan["ppo_micro_batch_size_per_gpu"])
+        dynamic = plan["use_dynamic_bsz"]
+        model_key = "critic.model" if role.name == "critic" else "actor_rollout_ref.model"
+        micro = binning.micro_batches(  # the logprob stage's grouping: a token budget always packs
+            [len(r["prompt_ids"]) + n for r, n in zip(mini_rows, resp)],
+            rows_per_micro=plan["ppo_micro_batch_size_per_gpu"], budget=plan["max_token_len_per_micro_batch"],
+            dynamic=dynamic, packed=dynamic or bool(ctx.get(f"{model_key}.use_remove_padding")),
+            budget_key=f"{role.prefix}.ppo_max_token_len_per_gpu")
         agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
                "loss_scale_factor": ctx.get("data.max_response_length")}
         stats: dict[str, float] = {}
         for j, idx in enumerate(micro):
-            if plan["use_dynamic_bsz"]:
-                part = [mini_rows[i] for i in binning.rows_of(idx)]
-                batch = binning.collate_bins([[mini_rows[i] for i in b] for b in idx], self.pad_id,
-                                             self.device)
-            else:
-                part = [mini_rows[i] for i in idx]
-                batch = batching.collate(part, self.pad_id, self.device)
+            part = [mini_rows[i] for i in binning.rows_of(idx)]
+            batch = binning.collate_bins([[mini_rows[i] for i in b] for b in idx], self.pad_id, self.device)
             engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
             loss, micro_stats = (self._actor_loss if role.name == "actor" else self._critic_loss)(
                 ctx, role, part, batch, agg)
@@ -248,11 +246,9 @@ class UpdateJob:
             for k, v in micro_stats.items():
                 stats[k] = stats.get(k, 0.0) + v
             stats["tokens"] = stats.get("tokens", 0.0) + tokens
-            padded = batch.get("padded_tokens") or (batch["prompt_width"] + batch["response_width"]) * len(part)
             records.append({"role": role.name, "rank": self.rank, "epoch": epoch, "mini_batch": mb_index,
                             "micro_batch": j, "rows": [r["index"] for r in part],
-                            "real_tokens": int(batch.get("real_tokens") or batch["attention_mask"].sum()),
-                            "padded_tokens": int(padded)})
+                            "real_tokens": int(batch["real_tokens"]), "padded_tokens": int(batch["padded_tokens"])})
         return stats
 
     def _per_token(self, part, key, width):
@@ -379,8 +375,10 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     if job is None:
         job = UpdateJob(ctx, rank, world, rank_device(device))
     t1 = time.perf_counter()
-    if not reused:
-        job.load_state(ctx.extra.get("train_state_dirs") or {})
+    if not reused and ctx.step > 1:  # no engine kept from step k-1: its checkpoint, from the store
+        from stages.update import previous_state
+
+        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles()})
     t2 = time.perf_counter()
     out = job.train_step(ctx)
     t3 = time.perf_counter()

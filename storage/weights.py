@@ -26,26 +26,34 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
-def save_folder(store: Store, local_dir, key: str, extra=None, adopt_into=None) -> dict:
+def folder_hashes(local_dir) -> tuple[dict, str]:
+    """({relative path: {size, sha256}}, folder checksum) of the files under `local_dir`, as a
+    weights manifest records them."""
+    local_dir = Path(local_dir)
+    entries = {}
+    for p in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+        rel = p.relative_to(local_dir).as_posix()
+        if rel in (WEIGHTS_MANIFEST, ".complete"):
+            continue
+        entries[rel] = {"size": p.stat().st_size, "sha256": file_sha256(p)}
+    if not entries:
+        raise FileNotFoundError(f"no files to save in {local_dir}")
+    return entries, fingerprint({k: v["sha256"] for k, v in entries.items()})
+
+
+def save_folder(store: Store, local_dir, key: str, extra=None, adopt_into=None, hashes=None) -> dict:
     """Upload every file under `local_dir` to `key/` and commit it with a manifest. With
     `adopt_into` (a cache dir) the local folder is then MOVED into that cache as the copy of the
     uploaded folder (its files are the ones just hashed), so a reader on this machine, e.g. the
-    next step's rollout engine, loads it without downloading it back."""
+    next step's rollout engine, loads it without downloading it back. `hashes`: folder_hashes of
+    `local_dir` when the caller already has them."""
     local_dir = Path(local_dir)
-    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-    if not files:
-        raise FileNotFoundError(f"no files to save in {local_dir}")
+    entries, checksum = hashes if hashes is not None else folder_hashes(local_dir)
     store.delete(f"{key}/{WEIGHTS_MANIFEST}")
     t0 = time.perf_counter()
-    entries = {}
-    for p in files:
-        rel = p.relative_to(local_dir).as_posix()
-        if rel == WEIGHTS_MANIFEST:
-            continue
-        entries[rel] = {"size": p.stat().st_size, "sha256": file_sha256(p)}
-        store.put_file(p, f"{key}/{rel}")
-    manifest = {"files": entries,
-                "checksum": fingerprint({k: v["sha256"] for k, v in entries.items()}),
+    for rel in entries:
+        store.put_file(local_dir / rel, f"{key}/{rel}")
+    manifest = {"files": entries, "checksum": checksum,
                 "bytes": sum(e["size"] for e in entries.values()),
                 "upload_s": round(time.perf_counter() - t0, 3),
                 "code_version": code_version(), "written_at": time.time(),
@@ -112,9 +120,10 @@ def load_folder(store: Store, key: str, cache_dir=None) -> Path:
     return target
 
 
-def save_weights(store: Store, layout: RunLayout, k: int, local_dir, extra=None, adopt_into=None) -> dict:
+def save_weights(store: Store, layout: RunLayout, k: int, local_dir, extra=None, adopt_into=None,
+                 hashes=None) -> dict:
     """Export an HF folder as weights/step_k (what step k+1 samples from)."""
-    return save_folder(store, local_dir, layout.weights(k), extra=extra, adopt_into=adopt_into)
+    return save_folder(store, local_dir, layout.weights(k), extra=extra, adopt_into=adopt_into, hashes=hashes)
 
 
 def load_weights(store: Store, layout: RunLayout, k: int, cache_dir=None) -> Path:

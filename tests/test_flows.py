@@ -38,6 +38,7 @@ def test_weights_kept_per_save_freq_and_max_to_keep():
     assert weights_to_delete([2, 4, 6, 7], 7, 2, 2) == [2, 4]  # newest two: 6 and the latest 7
     assert weights_to_delete([4], 4, -1, 1) == []
     assert weights_to_delete([0, 1, 2], 2, -1, 1) == [1]  # the warm start (reference) stays
+    assert weights_to_delete([1, 2], 3, -1, None) == [1]  # step 3 still committing: 2 is kept
 
 
 def test_retry_policy_retries_storage_errors_only():

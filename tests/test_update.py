@@ -62,23 +62,32 @@ STATIC_3 = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
 BUDGET = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=45"]
 
 
+PACKED = ["actor_rollout_ref.model.use_remove_padding=true"]
+
+
 def test_gradient_invariance_micro_batches_and_ranks(tmp_path, model_dir):
-    """token-mean: 1 micro-batch == static micro-batches == token-budget micro-batches == 2 ranks."""
+    """token-mean: 1 micro-batch == static micro-batches (padded, and packed into bins with
+    use_remove_padding) == token-budget micro-batches == 2 ranks."""
     init = load_file(str(model_dir / "model.safetensors"))
     runs = {}
-    for name, ov in (("one", STATIC_1), ("static", STATIC_3), ("budget", BUDGET),
-                     ("two_ranks", BUDGET + ["trainer.n_gpus_per_node=2"])):
+    for name, ov in (("one", STATIC_1), ("static", STATIC_3), ("static_packed", STATIC_3 + PACKED),
+                     ("budget", BUDGET), ("two_ranks", BUDGET + ["trainer.n_gpus_per_node=2"])):
         ctx, _, metrics, weights = run_update(tmp_path / name, model_dir, ov)
         table = read_table(ctx.store, ctx.layout, 1, "update").to_pydict()
         runs[name] = (metrics, weights, table)
     one_metrics, one_weights, one_table = runs["one"]
     assert len(one_table["micro_batch"]) == 1
     assert len(runs["static"][2]["micro_batch"]) == 2
+    # packed: the same rows per micro-batch (in bin order), no more padded tokens than one per row
+    static, packed = runs["static"][2], runs["static_packed"][2]
+    assert [sorted(r) for r in packed["rows"]] == [sorted(r) for r in static["rows"]]
+    assert sum(packed["padded_tokens"]) <= sum(static["padded_tokens"])
+    assert packed["real_tokens"] == static["real_tokens"]
     budget_rows = runs["budget"][2]["rows"]
     assert len(budget_rows) >= 2 and sorted(sum(budget_rows, [])) == list(range(8))
     assert set(runs["two_ranks"][2]["rank"]) == {0, 1}
     # the splits differ in tokens per row, so a row-weighted (verl legacy) mean would differ
-    for name in ("static", "budget", "two_ranks"):
+    for name in ("static", "static_packed", "budget", "two_ranks"):
         metrics, weights, _ = runs[name]
         assert math.isclose(metrics["actor/grad_norm"], one_metrics["actor/grad_norm"], rel_tol=1e-5), name
         assert math.isclose(metrics["actor/pg_loss"], one_metrics["actor/pg_loss"], rel_tol=1e-5, abs_tol=1e-7), name
@@ -184,10 +193,12 @@ def test_lr_schedule_matches_verl():
 
 def test_microbatches_parquet_holds_the_logprob_stage_micro_batches(tmp_path, model_dir, capsys):
     """The logprob stage's micro-batches (per role, per rank) land in microbatches.parquet as role
-    logprob/<role>; their sums are the logprob manifest's per-rank loads (its load line)."""
+    logprob/<role>; their sums are the logprob manifest's per-rank loads (its load line). Two
+    mini-batches, so the plan keeps the old-log-prob (actor) pass."""
     from stages import logprob
 
     ov = STATIC_3 + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                      "actor_rollout_ref.actor.use_kl_loss=true",
                      "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
                      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=64",
@@ -216,5 +227,42 @@ def test_microbatches_parquet_holds_the_logprob_stage_micro_batches(tmp_path, mo
         assert f"logprob step 1 {role} rank 0: 8 rows, {len(recs)} micro-batches, {sum(seqlen):,} tokens" in lines
     sizes = lambda role: [len(r["rows"]) for r in table if r["role"] == role]  # noqa: E731
     assert sizes("logprob/ref") == [8] and sizes("logprob/critic") == [3, 3, 2]  # static micro-batches
-    assert all(r["real_tokens"] <= 64 for r in table if r["role"] == "logprob/actor")  # token budget
+    assert all(r["padded_tokens"] <= 64 for r in table if r["role"] == "logprob/actor")  # token budget
     assert len(sizes("logprob/actor")) >= 2
+
+
+def test_update_forward_replaces_the_old_log_prob_pass(tmp_path, model_dir):
+    """One mini-batch, one epoch, no KL in reward: the plan drops the logprob stage's actor pass
+    and the update uses its own forward, detached, as old log-probs (verl's and TRL's on-policy
+    path). Against the two-pass version (a real logprob-stage pass first, its old_log_probs read
+    by the update) the losses, gradient norm and new weights agree within 1e-6, and the old
+    log-probs the update stored equal the pass's."""
+    from stages import logprob
+
+    fused_ctx = make_ctx(tmp_path / "fused", model_dir, overrides=STATIC_3)
+    assert fused_ctx.plan["rollout"]["old_log_prob_pass"] is False and fused_ctx.plan["ref"] is None
+    write_inputs(fused_ctx)
+    two_ctx = make_ctx(tmp_path / "two", model_dir, overrides=STATIC_3)
+    two_ctx.plan["rollout"]["old_log_prob_pass"] = True  # force the separate pass ...
+    two_ctx.plan["actor"]["on_policy"] = False  # ... and make the update read its output
+    write_inputs(two_ctx)
+    logprob.run(two_ctx)  # the real pass replaces the inputs' random old log-probs
+
+    fused = update.run(fused_ctx)
+    two = update.run(two_ctx)
+    assert "update/log_probs.parquet" in fused["files"] and "update/log_probs.parquet" not in two["files"]
+    m_fused, m_two = (read_file(c.store, c.layout, 1, "update", "update/metrics.json") for c in (fused_ctx, two_ctx))
+    assert abs(m_fused["actor/pg_loss"] - m_two["actor/pg_loss"]) <= 1e-6
+    assert math.isclose(m_fused["actor/grad_norm"], m_two["actor/grad_norm"], rel_tol=1e-6)
+    assert m_fused["actor/ppo_kl"] == 0.0 and abs(m_two["actor/ppo_kl"]) <= 1e-6
+    w_fused, w_two = (load_file(os.path.join(c.store.path(c.layout.weights(1)), "model.safetensors"))
+                      for c in (fused_ctx, two_ctx))
+    assert global_rel_diff(w_fused, w_two) <= 1e-6
+
+    stored = read_file(fused_ctx.store, fused_ctx.layout, 1, "update", "update/log_probs.parquet").to_pydict()
+    passed = read_table(two_ctx.store, two_ctx.layout, 1, "logprob").to_pydict()
+    flat = lambda col: torch.tensor([v for row in col for v in row])
+    assert torch.allclose(flat(stored["old_log_probs"]), flat(passed["old_log_probs"]), atol=1e-5)
+    assert torch.allclose(flat(stored["entropy"]), flat(passed["entropy"]), atol=1e-5)
+    # the logprob stage of the fused run ran no pass: its table has only each row's rank
+    assert logprob.run(fused_ctx)["extra"]["passes"] == []

@@ -67,7 +67,7 @@ def _generate_batch(model, rows, config, sampling: Sampling, eos_ids, device) ->
 
 
 class HFEngine(Engine):
-    START_KEYS = ("dtype",)
+    START_KEYS = ("dtype", "free_cache_engine")
 
     def __init__(self):
         self.model = None

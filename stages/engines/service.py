@@ -152,7 +152,7 @@ class RolloutEngines:
         """Free device memory while other stages run (GPU engines; a no-op on CPU). The weights
         are reloaded before the next generation."""
         for worker in self.workers.values():
-            if worker.alive() and worker.spec.device == "cuda":
+            if worker.alive() and worker.spec.device == "cuda" and worker.spec.setting("free_cache_engine", True):
                 worker.call("sleep")
                 worker.loaded = None
 

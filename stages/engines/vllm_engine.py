@@ -74,6 +74,9 @@ def replica_env(spec: EngineSpec, env: dict) -> dict:
     """The worker process environment of a replica: devices (GPU) or cores (CPU)."""
     env = dict(env)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # our own engine processes: the CPU weight reload (a function, LLM.apply_model) may be pickled
+    # to vLLM's executor workers when a replica spans several of them (tensor parallel)
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     tp = int(spec.setting("tensor_model_parallel_size") or 1)
     if spec.device == "cuda":
