@@ -206,7 +206,7 @@ def run_variant(name: str, run: int, ctx: dict) -> dict:
     else:
         experiment = f"peer-{name}-r{run}"
         cmd = [sys.executable, str(PEER / "stagerl_run.py"), "--out", str(out_json), "--experiment", experiment,
-               *stagerl_overrides(spec, ctx["inputs"], work, args.steps)]
+               *stagerl_overrides(spec, ctx["inputs"], work, args.steps), *args.stagerl_overrides]
         env = child_env(args.threads, ctx["prefect"])
     t0, t_exit, code = run_child(cmd, env, log, args.run_timeout)
     result = {"variant": name, "run": run, "returncode": code, "log": str(log) if args.keep else None}
@@ -254,6 +254,8 @@ def main() -> int:
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run before it is killed")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "peer_trl.json")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, runs)")
+    parser.add_argument("--stagerl-overrides", nargs="*", default=[],
+                        help="extra key=value overrides for every stagerl variant (experiments)")
     args = parser.parse_args()
     variants = list(dict.fromkeys(args.variants + ([VLLM_VARIANT] if args.with_vllm else [])))
     for name in variants:

@@ -147,14 +147,13 @@ def load_batch(ctx, need_values: bool, need_ref: bool) -> dict:
         raise AdvantageInputError(f"reward.parquet of step {ctx.step}: score is NaN/inf/missing in "
                                   f"rows {', '.join(map(str, bad[:20]))}" + (" ..." if len(bad) > 20 else ""))
     bs = len(lengths)
-    mask = torch.zeros((bs, width), dtype=torch.float32)
+    n, p = torch.tensor(lengths).view(bs, 1), torch.tensor(prompt_lengths).view(bs, 1)
+    mask = (torch.arange(width).view(1, -1) < n).to(torch.float32)
+    columns = torch.arange(prompt_width + width).view(1, -1)  # left-padded prompt, right-padded response
+    attention = ((columns >= prompt_width - p) & (columns < prompt_width + n)).to(torch.float32)
     scores = torch.zeros((bs, width), dtype=torch.float32)
-    attention = torch.zeros((bs, prompt_width + width), dtype=torch.float32)
-    for i, (n, p) in enumerate(zip(lengths, prompt_lengths)):
-        mask[i, :n] = 1
-        attention[i, prompt_width - p:prompt_width + n] = 1  # left-padded prompt, right-padded response
-        if n > 0:
-            scores[i, n - 1] = score[i]
+    rows = torch.nonzero(n.view(-1) > 0).view(-1)  # an empty response has no token for its score
+    scores[rows, n.view(-1)[rows] - 1] = torch.tensor(score, dtype=torch.float32)[rows]
     batch = {"response_mask": mask, "token_level_scores": scores, "attention_mask": attention,
              "response_length": lengths, "uid": rollout.column("uid").to_pylist()}
     columns = ["old_log_probs", "ref_log_probs"] if need_ref else []
@@ -212,4 +211,4 @@ def pad(lists, lengths, width: int, name: str) -> torch.Tensor:
 
 
 def unpad(tensor: torch.Tensor, lengths) -> list:
-    return [tensor[i, :n].tolist() for i, n in enumerate(lengths)]
+    return [row[:n] for row, n in zip(tensor.tolist(), lengths)]

@@ -10,6 +10,7 @@ layout (the reference forward), per-token padding and load lines.
 Pure Python except `collate`/`pad_per_token`/`unpad` (torch tensors)."""
 from __future__ import annotations
 
+import functools
 import heapq
 
 WORKLOAD_COEFF = 24576
@@ -39,8 +40,12 @@ class _Set:
     def key(self):
         return (self.sum, len(self.items), self.items)
 
-    def __lt__(self, other: "_Set") -> bool:
-        return self.key() < other.key()
+    def __lt__(self, other: "_Set") -> bool:  # key() < other.key(), without building tuples
+        if self.sum != other.sum:
+            return self.sum < other.sum
+        if len(self.items) != len(other.items):
+            return len(self.items) < len(other.items)
+        return self.items < other.items
 
 
 class _State:
@@ -52,20 +57,18 @@ class _State:
         for i, (idx, value) in enumerate(items):
             self.sets[i].add(idx, value)
         self.sets.sort(reverse=True)
-
-    @property
-    def spread(self) -> int:
-        return self.sets[0].sum - self.sets[-1].sum
+        self.spread = self.sets[0].sum - self.sets[-1].sum
 
     def merge(self, other: "_State") -> None:
         for i in range(self.k):  # largest set of one with the smallest of the other
             self.sets[i].merge(other.sets[self.k - 1 - i])
         self.sets.sort(reverse=True)
+        self.spread = self.sets[0].sum - self.sets[-1].sum
 
     def __lt__(self, other: "_State") -> bool:
         if self.spread != other.spread:
             return self.spread > other.spread
-        return self.sets[0].key() > other.sets[0].key()
+        return other.sets[0] < self.sets[0]
 
 
 def karmarkar_karp(values: list[int], k: int) -> list[list[int]]:
@@ -92,19 +95,26 @@ def karmarkar_karp(values: list[int], k: int) -> list[list[int]]:
 
 
 def balance_partitions(seqlens: list[int], k: int) -> list[list[int]]:
-    """verl's balance_batch: rank r gets row indices partitions[r] (equal counts)."""
+    """verl's balance_batch: rank r gets row indices partitions[r] (equal counts). The logprob
+    stage, the update and every rank of them ask for the same step's partition: it is computed
+    once per process (a new list each call, so callers may change theirs)."""
     if k <= 0:
         raise ValueError(f"number of ranks must be >= 1, got {k}")
     if len(seqlens) % k:
         raise ValueError(f"{len(seqlens)} rows are not divisible by {k} ranks: balance_batch needs "
                          f"equal rows per rank")
+    return [list(part) for part in _balanced(tuple(int(s) for s in seqlens), k)]
+
+
+@functools.lru_cache(maxsize=8)
+def _balanced(seqlens: tuple, k: int) -> tuple:
     loads = [workload(s) for s in seqlens]
-    parts = karmarkar_karp(loads, k)
+    parts = karmarkar_karp(loads, k) if k > 1 else [list(range(len(loads)))]  # one rank: all rows
     out = []
     for part in parts:
         part = sorted(part, key=lambda i: (loads[i], i))
-        out.append(part[::2] + part[1::2][::-1])
-    return out
+        out.append(tuple(part[::2] + part[1::2][::-1]))
+    return tuple(out)
 
 
 # ---- per-row outputs ------------------------------------------------------------------------

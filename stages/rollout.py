@@ -175,6 +175,7 @@ def run(ctx) -> dict:
 
     t0 = time.perf_counter()
     model_dir, tokenizer = _model_and_tokenizer(ctx)
+    t_weights = time.perf_counter()
     dataset = _dataset(ctx, tokenizer, "train", model_dir)
     batch = dataset.batch_for_step(ctx.step - 1)
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")))
@@ -184,8 +185,11 @@ def run(ctx) -> dict:
     table = make_table("rollout", columns)
     tokens = sum(columns["response_length"])
     gen_s = engine_timings.get("generate_s") or (t_gen - t_data)
-    timings = {"load_s": round(t_data - t0, 4), "rollout_s": round(t_gen - t_data, 4),
-               "generate_s": gen_s, "engine_start_s": engine_timings.get("engine_start_s")}
+    timings = {"load_s": round(t_data - t0, 4), "weights_and_tokenizer_s": round(t_weights - t0, 4),
+               "rollout_s": round(t_gen - t_data, 4), "generate_s": gen_s,
+               "engine_call_s": engine_timings.get("wall_s"), "engine_start_s": engine_timings.get("engine_start_s"),
+               "load_weights_s": engine_timings.get("load_weights_s"),
+               "table_s": round(time.perf_counter() - t_gen, 4)}
     extra = {
         "data_position": batch.next_position.to_dict(),
         "batch_position": batch.position.to_dict(),
@@ -200,7 +204,9 @@ def run(ctx) -> dict:
     }
     fingerprint = stage_fingerprint(ctx)
     if ctx.session is not None:  # a committed rollout k implies a committed update k-1
+        t_wait = time.perf_counter()
         ctx.session.wait_commits()
+        timings["wait_for_update_commit_s"] = round(time.perf_counter() - t_wait, 4)
     return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table, fingerprint=fingerprint,
                        inputs={}, timings=timings, extra=extra)
 

@@ -31,7 +31,12 @@ class RunSession:
         self._pending: dict = {}  # (stage, step) -> {"fingerprint", "thread", "error", "local_weights"}
         self.retries, self.retry_delay_s = int(retries), float(retry_delay_s)
         self.retryable = retryable or (lambda exc: False)
+        self._on_close: dict = {}
         self.closed = False
+
+    def on_close(self, name: str, fn) -> None:
+        """Call fn() when the run ends (once per name): state a stage keeps in this process."""
+        self._on_close.setdefault(name, fn)
 
     def engines(self):
         """The run's resident rollout engines (started on first use)."""
@@ -131,6 +136,9 @@ class RunSession:
             if hasattr(value, "close"):
                 value.close()
         self._memo.clear()
+        for fn in self._on_close.values():
+            fn()
+        self._on_close.clear()
 
     def __enter__(self) -> "RunSession":
         return self

@@ -338,6 +338,16 @@ def _rng_state() -> dict:
     return rng
 
 
+def release_kept_jobs() -> None:
+    """Drop the engines kept between steps (the end of a training run in this process)."""
+    import gc
+
+    if _KEPT:
+        _KEPT.clear()
+        gc.unfreeze()
+        gc.collect()
+
+
 def _take_kept_job(ctx, key: str):
     """The kept job that trained step k-1 of this run (its RNG restored), else None; other kept
     jobs are freed."""
@@ -368,7 +378,13 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     t0 = time.perf_counter()
     device = ctx.extra.get("device") or ctx.get("trainer.device") or "cpu"
     init_distributed(device)
-    keep = os.environ.get(IN_POOL_ENV) == "1" and ctx.extra.get("keep_update_engine", True)
+    # engines are kept in a rank pool's ranks, and in this process when one rank trains inside a
+    # training run (its session releases them when the run ends)
+    session = getattr(ctx, "session", None)
+    keep = ctx.extra.get("keep_update_engine", True) and (
+        os.environ.get(IN_POOL_ENV) == "1" or (world == 1 and session is not None))
+    if keep and session is not None:
+        session.on_close("update engines", release_kept_jobs)
     key = _job_key(ctx, world) if keep else None
     job = _take_kept_job(ctx, key) if keep else None
     reused = job is not None
