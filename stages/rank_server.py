@@ -53,6 +53,7 @@ def serve(work: Path, device: str, owner_pid: int) -> int:
     next_file = work / "next_id"  # read before "ready": the client writes it only once all are ready
     job_id = int(next_file.read_text()) if next_file.exists() else 0
     _write_atomic(work / f"ready_{rank}", str(os.getpid()))
+    _preload()
     last_owner_check = time.monotonic()
     try:
         while True:
@@ -86,6 +87,21 @@ def serve(work: Path, device: str, owner_pid: int) -> int:
             job_id += 1
     finally:
         destroy_distributed()
+
+
+PRELOAD = ("deepspeed", "transformers.models.auto.modeling_auto", "stages.update_worker", "stages.logprob")
+
+
+def _preload() -> None:
+    """Import what the jobs need before the first one arrives (a few seconds of imports that
+    otherwise land in the first step); a module that cannot be imported fails its job later."""
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - reported by the job that needs it
+            pass
 
 
 def _empty_device_cache(device: str) -> None:

@@ -96,7 +96,8 @@ def _truth_text(truth) -> str:
 
 
 def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpose: str = STAGE):
-    """Generate `sampling.n` responses for each PromptRow; returns (columns, engine timings)."""
+    """Generate `sampling.n` responses for each PromptRow; returns (columns, engine timings).
+    `tokenizer()` gives the model's tokenizer (called only when no resident worker decodes)."""
     n = sampling.n
     prompt_ids = [list(p.prompt_ids) for p in prompts for _ in range(n)]
     for row, ids in enumerate(prompt_ids):
@@ -113,8 +114,14 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     gens = engines.generate(engine, prompt_ids, seeds, sampling, options)
     engines.sleep()  # GPU + rollout.free_cache_engine: the update gets the memory back
 
-    prompt_text = tokenizer.batch_decode([p.prompt_ids for p in prompts], skip_special_tokens=False)
-    responses = tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+    # resident workers decode next to the engine (this process then needs no tokenizer)
+    prompt_text = engines.decode([p.prompt_ids for p in prompts], skip_special_tokens=False)
+    if prompt_text is None:
+        prompt_text = tokenizer().batch_decode([p.prompt_ids for p in prompts], skip_special_tokens=False)
+    if any(g.text is None for g in gens):
+        responses = tokenizer().batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+    else:
+        responses = [g.text for g in gens]
     columns = {"uid": [], "sample_index": [], "prompt": [], "prompt_ids": [], "response": responses,
                "response_ids": [g.response_ids for g in gens],
                "response_length": [len(g.response_ids) for g in gens],
@@ -135,14 +142,14 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     return columns, {"engine": engine, **options.timings}
 
 
-def _dataset(ctx, tokenizer, split: str, model_dir):
+def _dataset(ctx, split: str, model_dir):
     """The split's prompts, tokenised once per run: rows are cached by the data files' and the
     tokenizer files' content (stages.dataset_cache), in memory and in the local cache dir."""
     from stages.dataset_cache import load_rl_dataset
 
     return load_rl_dataset(dict(ctx.get("data") or {}), model_dir, split,
                            int(ctx.get("trainer.seed", 0) or 0), cache_dir=local_cache_dir(ctx),
-                           tokenizer=tokenizer)
+                           tokenizer=None)  # a cache miss loads the tokenizer itself
 
 
 def local_cache_dir(ctx):
@@ -152,8 +159,9 @@ def local_cache_dir(ctx):
 
 
 def _model_and_tokenizer(ctx):
-    """The policy folder this step samples from and its tokenizer (loaded once per run when the
-    run has a session: every step's folder carries a copy of the same tokenizer files)."""
+    """The policy folder this step samples from and a function returning its tokenizer, loaded
+    on first call (once per run with a session: every step's folder carries the same tokenizer
+    files). Resident engine workers decode themselves, so a run's rollouts never call it."""
     from stages.models import check_model_folder, load_tokenizer
 
     model_dir = ctx.actor_weights()
@@ -161,12 +169,19 @@ def _model_and_tokenizer(ctx):
         check_model_folder(model_dir, "policy model")
     except FileNotFoundError as err:
         raise FileNotFoundError(f"actor_rollout_ref.model.path (or the step's weights): {err}") from None
-    if ctx.session is None:
-        return model_dir, load_tokenizer(model_dir)
-    from stages.dataset_cache import tokenizer_fingerprint
+    loaded: dict = {}
 
-    key = ("tokenizer", json.dumps(tokenizer_fingerprint(model_dir), sort_keys=True, default=str))
-    return model_dir, ctx.session.memo(key, lambda: load_tokenizer(model_dir))
+    def tokenizer():
+        if "tokenizer" not in loaded:
+            if ctx.session is None:
+                loaded["tokenizer"] = load_tokenizer(model_dir)
+            else:
+                from stages.dataset_cache import tokenizer_fingerprint
+
+                key = ("tokenizer", json.dumps(tokenizer_fingerprint(model_dir), sort_keys=True, default=str))
+                loaded["tokenizer"] = ctx.session.memo(key, lambda: load_tokenizer(model_dir))
+        return loaded["tokenizer"]
+    return model_dir, tokenizer
 
 
 def run(ctx) -> dict:
@@ -176,7 +191,7 @@ def run(ctx) -> dict:
     t0 = time.perf_counter()
     model_dir, tokenizer = _model_and_tokenizer(ctx)
     t_weights = time.perf_counter()
-    dataset = _dataset(ctx, tokenizer, "train", model_dir)
+    dataset = _dataset(ctx, "train", model_dir)
     batch = dataset.batch_for_step(ctx.step - 1)
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")))
     t_data = time.perf_counter()
@@ -215,7 +230,7 @@ def generate_validation(ctx) -> list[dict]:
     """Sample the validation set (data.val_files) with rollout.val_kwargs; one dict per row
     (the rollout columns), seeded by (trainer.seed, step, "validation")."""
     model_dir, tokenizer = _model_and_tokenizer(ctx)
-    dataset = _dataset(ctx, tokenizer, "val", model_dir)
+    dataset = _dataset(ctx, "val", model_dir)
     prompts = [dataset.rows[i] for i in dataset.epoch_order(0)]
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")),
                                      validation=True)

@@ -4,7 +4,9 @@ import time
 
 from _update_inputs import make_ctx, write_inputs
 
+# two mini-batches per step: the logprob stage keeps its actor (old log-prob) pass
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
              "actor_rollout_ref.actor.optim.warmup_style=cosine",
              "actor_rollout_ref.actor.optim.lr_warmup_steps=0", "actor_rollout_ref.actor.use_kl_loss=true"]
 

@@ -86,6 +86,7 @@ class Generation:
     response_ids: list[int]
     finish_reason: str  # "stop" | "length"
     log_probs: list[float] | None = None
+    text: str | None = None  # the response decoded without special tokens (resident workers)
 
 
 @dataclass

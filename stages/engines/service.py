@@ -47,23 +47,26 @@ class RolloutEngines:
         if not self.resident and engine == "hf":
             return self._in_process(specs, shares, prompt_ids, sampling, options, t0)
         timings = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0, "replicas": []}
+        slots = [self.slot_spec(spec) for spec in specs]
         try:
-            for spec in specs:  # every replica starts at once
-                self._launch(spec)
-            for spec in specs:
-                self._settle(spec, timings)
+            for slot in slots:  # every worker starts at once
+                self._launch(slot)
+            for slot, spec in zip(slots, specs):
+                self._settle(slot, timings, spec.model_dir)
             results: list[Generation] = [None] * len(prompt_ids)
-            requests = {}
-            for spec, share in zip(specs, shares):
-                requests[spec.replica] = self._request(spec, share, prompt_ids, row_seeds, sampling, options)
-                self.workers[spec.replica].send("generate", requests[spec.replica])
-            for spec, share in zip(specs, shares):
-                reply = self._reply(spec, requests[spec.replica], timings)
-                for offset, (ids, reason, lps) in enumerate(reply["rows"]):
-                    results[share.start + offset] = Generation(list(ids), reason, lps)
+            sent = []
+            for slot, spec, share in zip(slots, specs, shares):
+                request = self._request(spec, share, prompt_ids, row_seeds, sampling, options)
+                worker = self.workers[slot.replica]
+                worker.send("generate", request)
+                sent.append((slot, spec, share, request, worker))
+            for slot, spec, share, request, worker in sent:
+                reply = self._reply(slot, spec, request, worker, timings)
+                for offset, (ids, reason, lps, text) in enumerate(reply["rows"]):
+                    results[share.start + offset] = Generation(list(ids), reason, lps, text)
                 timings["replicas"].append({"replica": spec.replica, "rows": len(share),
                                             "generate_s": reply["generate_s"],
-                                            "pid": self.workers[spec.replica].proc.pid})
+                                            "pid": self.workers[slot.replica].proc.pid})
         finally:
             if not self.resident:
                 self.close()
@@ -72,21 +75,45 @@ class RolloutEngines:
         options.timings.update(timings)
         return results
 
+    @staticmethod
+    def slot_spec(spec):
+        """The spec of the worker process serving a replica. hf replicas on a CPU share one
+        process (one engine with every core: one process start and one model load instead of
+        one per replica); each request still names its replica, which seeds its generation
+        batches, so the rows equal separate engines'. vLLM and GPU replicas get a process each
+        (their own engine, devices or cores)."""
+        from dataclasses import replace
+
+        if spec.engine == "hf" and spec.device == "cpu" and spec.num_replicas > 1:
+            return replace(spec, replica=0, num_replicas=1, threads=spec.threads * spec.num_replicas)
+        return spec
+
     def _request(self, spec, share, prompt_ids, row_seeds, sampling: Sampling, options) -> dict:
         return {"prompt_ids": prompt_ids[share.start:share.stop], "seeds": row_seeds[share.start:share.stop],
                 "sampling": dict(sampling.__dict__), "replica": spec.replica,
-                "step_seed": int(options.step_seed), "rollout": dict(options.rollout)}
+                "step_seed": int(options.step_seed), "rollout": dict(options.rollout), "decode": True}
 
-    def _reply(self, spec, request: dict, timings: dict) -> dict:
-        """The replica's answer; a worker that died is restarted and asked once more."""
+    def _reply(self, slot, spec, request: dict, worker, timings: dict) -> dict:
+        """The replica's answer; a worker that died is restarted and asked once more (also for
+        requests that were queued on the dead worker)."""
+        current = self.workers[slot.replica]
         try:
-            return self.workers[spec.replica].result()
+            if current is not worker:  # sent to a worker that died meanwhile
+                return current.call("generate", request)
+            return worker.result()
         except WorkerDied as died:
             print(f"rollout: {died}\nrestarting replica {spec.replica}", flush=True)
             self.restarts += 1
-            self._launch(spec)
-            self._settle(spec, timings)
-            return self.workers[spec.replica].call("generate", request)
+            self._launch(slot)
+            self._settle(slot, timings, spec.model_dir)
+            return self.workers[slot.replica].call("generate", request)
+
+    def decode(self, id_lists: list[list[int]], skip_special_tokens: bool) -> list[str] | None:
+        """Texts of token ids by a running worker's tokenizer (None: no worker; decode here)."""
+        worker = next((w for w in self.workers.values() if w.alive() and w.started), None)
+        if worker is None:
+            return None
+        return worker.call("decode", {"ids": id_lists, "skip_special_tokens": skip_special_tokens})
 
     def warm_up(self, engine: str, options: EngineOptions) -> None:
         """Start the replicas' engines in the background (a run calls this before its first
@@ -94,7 +121,7 @@ class RolloutEngines:
         if not self.resident:
             return
         for r in range(max(1, options.num_replicas)):
-            self._launch(make_spec(options, engine, r, max(1, options.num_replicas)))
+            self._launch(self.slot_spec(make_spec(options, engine, r, max(1, options.num_replicas))))
 
     def _launch(self, spec) -> None:
         """A worker for `spec`: the running one if its engine settings match and it lives, else
@@ -110,8 +137,8 @@ class RolloutEngines:
         self.workers[spec.replica] = worker
         self.starts += 1
 
-    def _settle(self, spec, timings: dict) -> None:
-        """Wait until the replica's engine has started, then give it `spec`'s weights."""
+    def _settle(self, spec, timings: dict, model_dir) -> None:
+        """Wait until the worker's engine has started, then give it the weights in `model_dir`."""
         worker = self.workers[spec.replica]
         if not worker.started:
             started = worker.result()
@@ -120,14 +147,26 @@ class RolloutEngines:
             timings["started"] += 1
             if started.get("notes"):
                 timings["notes"] = started["notes"]
-        if worker.loaded != spec.model_dir:
-            loaded = worker.call("load", spec.model_dir)
-            worker.loaded = spec.model_dir
+        if worker.loaded != str(model_dir):
+            loaded = worker.call("load", str(model_dir))
+            worker.loaded = str(model_dir)
             timings["load_weights_s"] = max(timings["load_weights_s"], loaded["load_weights_s"])
 
     def _in_process(self, specs, shares, prompt_ids, sampling, options, t0) -> list[Generation]:
-        """hf without a session: one engine in this process for every replica, in turn."""
+        """hf without a session: one engine in this process for every replica, in turn, with
+        the threads a worker process would have (float sums depend on the thread count, so the
+        rows then equal a resident worker's bit for bit)."""
+        import torch
+
         engine = engine_class("hf")()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.slot_spec(specs[0]).threads)
+        try:
+            return self._in_process_generate(engine, specs, shares, prompt_ids, sampling, options, t0)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _in_process_generate(self, engine, specs, shares, prompt_ids, sampling, options, t0):
         started = engine.start(specs[0])
         results: list[Generation] = [None] * len(prompt_ids)
         replicas = []

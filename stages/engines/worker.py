@@ -133,6 +133,8 @@ def _handle(engine, op: str, arg):
         import torch
 
         torch.set_num_threads(max(1, int(arg.threads)))
+        _TOKENIZER.clear()
+        _TOKENIZER["dir"] = arg.model_dir
         engine = engine_class(arg.engine)()
         return engine, engine.start(arg)
     if engine is None:
@@ -143,12 +145,31 @@ def _handle(engine, op: str, arg):
         t0 = time.perf_counter()
         gens = engine.generate(arg["prompt_ids"], arg["seeds"], Sampling(**arg["sampling"]),
                                arg["replica"], arg["step_seed"], arg["rollout"])
-        rows = [(g.response_ids, g.finish_reason, g.log_probs) for g in gens]
-        return engine, {"rows": rows, "generate_s": round(time.perf_counter() - t0, 4)}
+        t1 = time.perf_counter()
+        texts = (_tokenizer(engine).batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+                 if arg.get("decode") else [None] * len(gens))
+        rows = [(g.response_ids, g.finish_reason, g.log_probs, text) for g, text in zip(gens, texts)]
+        return engine, {"rows": rows, "generate_s": round(t1 - t0, 4)}
+    if op == "decode":
+        return engine, _tokenizer(engine).batch_decode(arg["ids"], skip_special_tokens=arg["skip_special_tokens"])
     if op == "sleep":
         engine.sleep()
         return engine, None
     raise ValueError(f"unknown rollout worker request {op!r}")
+
+
+_TOKENIZER: dict = {}  # this worker process's tokenizer: {"dir": model folder, "tokenizer": ...}
+
+
+def _tokenizer(engine):
+    """The tokenizer of the folder the engine started from (loaded once; every step's weights
+    folder carries the same tokenizer files): responses are decoded here, next to the engine, so
+    the training flow's process never loads transformers for a rollout."""
+    if "tokenizer" not in _TOKENIZER:
+        from stages.models import load_tokenizer
+
+        _TOKENIZER["tokenizer"] = load_tokenizer(_TOKENIZER["dir"])
+    return _TOKENIZER["tokenizer"]
 
 
 def serve(fd: int) -> int:
