@@ -5,10 +5,12 @@ bench/results/step.json.
 
     python bench/step.py [--steps 3] [key=value ...]      # overrides, e.g. data.train_batch_size=8
 
-Two variants side by side, each a fresh experiment on the same Prefect server: step_subflow
-(the default: each step an `rl-step` subflow) and tasks_in_training_flow
-(orchestration.step_subflow=false). Reports the mean of steps 2.. (the rank pool and DeepSpeed
-engine are warm by then; step 1 pays their start) and every step under per_step.
+Two variants side by side, each a fresh experiment on the same Prefect server:
+tasks_in_training_flow (the default, orchestration.step_subflow=false: the stage tasks run in the
+rl-train flow run) and step_subflow (each step an `rl-step` subflow). Reports the mean of steps
+2.. (the resident workers are warm by then; step 1 pays their start) and every step under
+per_step, with each stage's own split (rollout: weights, data, engine call, table, waiting for the
+previous update's background commit; update: rank work, save/export, upload) under stage_detail_s.
 
 Builds the tiny model and the arithmetic data in a scratch folder; runs against a temporary local
 Prefect server unless PREFECT_API_URL is set. Split, per step:
@@ -94,8 +96,8 @@ def main() -> int:
     train_mod.MetricSinks.log, report_mod.publish_step = recording_log, timed_publish
     train_mod.run_step_subflow, step_mod.execute_stage = timed_subflow, timed_execute
     out = {"config": "tiny-cpu", "overrides": args.overrides, "variants": {}}
-    for variant, extra in (("step_subflow", ["orchestration.step_subflow=true"]),
-                           ("tasks_in_training_flow", ["orchestration.step_subflow=false"])):
+    for variant, extra in (("tasks_in_training_flow", ["orchestration.step_subflow=false"]),
+                           ("step_subflow", ["orchestration.step_subflow=true"])):
         for table in rec.values():
             table.clear()
         t0 = time.perf_counter()
@@ -129,6 +131,9 @@ def main() -> int:
             "orchestration_detail_s": {k: mean(k, "orchestration_detail_s")
                                        for k in warm[0]["orchestration_detail_s"]},
             "update_detail_s": {k: mean(k, "update_detail_s") for k in warm[0]["update_detail_s"]},
+            "stage_detail_s": {stage: {k: round(sum(st["stage_detail_s"][stage].get(k, 0.0) for st in warm)
+                                                / len(warm), 4) for k in warm[-1]["stage_detail_s"][stage]}
+                               for stage in STAGES},
             "per_step": steps, "flow_wall_s_including_setup": round(flow_s, 3)}
     out.update({"goal_non_compute_fraction": 0.10, "machine": f"{os.cpu_count()} CPUs",
                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d")})
@@ -142,11 +147,17 @@ def main() -> int:
 def split_step(store, layout, read_manifest, stages, step: int, metrics: dict) -> dict:
     """One step's wall time split into compute, storage I/O, orchestration and launch."""
     stage_s = {s: float(metrics.get(f"timing_s/{s}", 0.0)) for s in stages}
-    storage_s = 0.0
+    storage_s, detail_by_stage = 0.0, {}
+    background = bool((read_manifest(store, layout, step, "rollout") or {}).get("timings", {})
+                      .get("wait_for_update_commit_s") is not None)
     for stage in stages:
         timings = (read_manifest(store, layout, step, stage) or {}).get("timings") or {}
+        detail_by_stage[stage] = {k: round(float(v), 4) for k, v in timings.items()
+                                  if isinstance(v, (int, float)) and not k.startswith("timing/launch_over")}
+        if stage == "update" and background:
+            continue  # committed in the background: its uploads overlap the next step's rollout
         storage_s += sum(float(v) for k, v in timings.items() if isinstance(v, (int, float))
-                         and k.endswith(("storage_write_s", "upload_s")))
+                         and k.endswith(("storage_write_s", "upload_s", "wait_for_update_commit_s")))
     launch_s = sum(float(v) for k, v in metrics.items() if k.startswith("timing/launch_overhead"))
     step_s = float(metrics.get("timing_s/step", sum(stage_s.values())))
     compute_s = max(0.0, sum(stage_s.values()) - storage_s - launch_s)
@@ -158,7 +169,7 @@ def split_step(store, layout, read_manifest, stages, step: int, metrics: dict) -
             "split_s": {"stage_compute": round(compute_s, 3), "storage_io": round(storage_s, 3),
                         "orchestration": round(max(0.0, step_s - sum(stage_s.values())), 3),
                         "process_launch": round(launch_s, 3)},
-            "update_detail_s": detail}
+            "update_detail_s": detail, "stage_detail_s": detail_by_stage}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from stages.data_tools import write_arith_dataset, write_rows
 from stages.tiny_model import save_tiny_model
 from storage.layout import RunLayout
 
-SMALL = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "trainer.n_gpus_per_node=1",
+SMALL = ["actor_rollout_ref.rollout.name=hf", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "trainer.n_gpus_per_node=1",
          "actor_rollout_ref.actor.ppo_mini_batch_size=4",
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",

@@ -51,6 +51,7 @@ def assets(tmp_path_factory):
 def tiny_overrides(assets, root, steps=2) -> list:
     """8 rows per step, 1 rank, short responses, no warm start and no validation."""
     return ["warmstart.enable=false", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "actor_rollout_ref.rollout.name=hf",
             f"data.train_files={assets}/train.parquet", f"data.val_files={assets}/test.parquet",
             f"actor_rollout_ref.model.path={assets}/model", f"storage.root={root}",
             f"storage.cache_dir={root}-cache", "data.train_batch_size=4",

@@ -112,7 +112,9 @@ def default_shape_overrides(assets, root, steps=2) -> list:
 
 
 def tiny_overrides(assets, root, steps=2) -> list:
-    return ["warmstart.enable=false", "trainer.val_before_train=false", f"data.train_files={assets}/train.parquet", f"data.val_files={assets}/test.parquet",
+    """A small run (4 prompts x 2, 1 rank) on the hf engine (vLLM, the CPU default's engine, has
+    its own tests and the deployment test above; a vLLM start per killed run would cost minutes)."""
+    return ["warmstart.enable=false", "actor_rollout_ref.rollout.name=hf", "trainer.val_before_train=false", f"data.train_files={assets}/train.parquet", f"data.val_files={assets}/test.parquet",
             f"actor_rollout_ref.model.path={assets}/model", f"storage.root={root}",
             f"storage.cache_dir={root}-cache",
             "data.train_batch_size=4", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
@@ -269,14 +271,14 @@ def test_sigkill_inside_stage_then_resume_equals_uninterrupted(server, assets, t
     assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
 
 
-def test_stage_tasks_directly_in_the_training_flow(server, assets, tmp_path, reference_checksum):
-    """orchestration.step_subflow=false: no rl-step subflows, the stage tasks run in the rl-train
-    flow run itself, and the weights equal the subflow run's."""
+def test_each_step_as_its_own_subflow(server, assets, tmp_path, reference_checksum):
+    """orchestration.step_subflow=true: every step is an rl-step subflow of rl-train (the default
+    runs the stage tasks in the rl-train flow run itself), and the weights equal the default's."""
     root = tmp_path / "runs"
     run = stagerl(server, ["train", "--experiment", "f", *tiny_overrides(assets, root),
-                           "orchestration.step_subflow=false"])
+                           "orchestration.step_subflow=true"])
     assert run.returncode == 0, run.stdout[-4000:]
-    assert "Beginning subflow run" not in run.stdout
+    assert "Beginning subflow run 'step-2'" in run.stdout
     assert all(f"Task run '{s}-step-2'" in run.stdout for s in STAGES)
     store = Store.from_config({"root": str(root)})
     assert folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"] == reference_checksum
