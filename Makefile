@@ -44,6 +44,8 @@ bench: install
 	$(PY) bench/logprob.py
 	$(PY) bench/update.py
 	$(PY) bench/launch.py
+	$(PY) bench/dataset.py
+	$(PY) bench/reward.py
 	$(PY) bench/step.py --steps 5
 
 # Peer bench: stagerl against TRL's GRPOTrainer on the same GRPO work (bench/peer_trl.py, JSON in

@@ -11,6 +11,10 @@ dataset, engine processes, parquet write), and tokens/s on generate_s and on wal
 with enforce_eager=true; `vllm-compiled` with enforce_eager=false (base.yaml's default), which lets
 vLLM torch.compile the model: 80+ s per engine start on 2 cores. The load average at start is recorded: this
 machine is shared, so wall times are noisy.
+
+`resident` (hf, vllm): five steps of a run's session (bench_resident): the engine starts once, and
+each later step's new weights come either from the store into a cold cache (steps 2-3) or from the
+update's export adopted into the cache (steps 4-5), then go into the running engine in place.
 """
 import argparse
 import json
@@ -58,6 +62,64 @@ def bench_engine(engine: str, folder: Path, model: Path, train: Path, seed: int)
             "engine_timings": extra["engine_timings"]}
 
 
+def perturbed_copy(model: Path, out: Path, k: int) -> Path:
+    """The model's folder with every weight nudged (a stand-in for the update's export of step k)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    weights = load_file(str(model / "model.safetensors"))
+    gen = torch.Generator().manual_seed(k)
+    save_file({n: (t + 1e-3 * torch.randn(t.shape, generator=gen)).contiguous() for n, t in weights.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def bench_resident(engine: str, folder: Path, model: Path, train: Path, seed: int, steps: int = 5) -> dict:
+    """A run's view: the engine starts once (step 1); steps 2.. each sample from new weights.
+    Steps 2-3 fetch them from the store into a cold local cache (download + checksum: another
+    machine's update); steps 4.. find the update's export already adopted into the cache (this
+    machine's update, as in a training run). Both then load them into the running engine."""
+    from configs.loader import load_config
+    from configs.suggest import make_plan
+    from stages import rollout
+    from stages.context import StageContext
+    from stages.session import RunSession
+    from storage.weights import save_weights
+
+    cfg = load_config("tiny-cpu", ["warmstart.enable=false", f"storage.root={folder / 'store'}",
+                                   f"trainer.experiment_name=resident-{engine}", f"storage.cache_dir={folder / 'cache'}",
+                                   f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
+                                   f"data.val_files={train}", f"trainer.seed={seed}", *ENGINE_OVERRIDES[engine]])
+    plan, rows = make_plan(cfg), []
+    with RunSession() as session:
+        for step in range(1, steps + 1):
+            ctx = StageContext.create(cfg, plan, step)
+            ctx.session = session
+            source = "initial" if step == 1 else "store" if step <= 3 else "adopted"
+            if step > 1:
+                export = perturbed_copy(model, folder / f"export-{engine}-{step}", step)
+                save_weights(ctx.store, ctx.layout, step - 1, export,
+                             adopt_into=folder / "cache" if source == "adopted" else None)
+            t0 = time.perf_counter()
+            manifest = rollout.run(ctx)
+            t = manifest["timings"]
+            rows.append({"step": step, "weights_from": source, "wall_s": round(time.perf_counter() - t0, 3),
+                         "fetch_weights_s": t["weights_and_tokenizer_s"], "load_into_engine_s": t["load_weights_s"],
+                         "engine_start_s": t["engine_start_s"], "generate_s": t["generate_s"],
+                         "engine_processes_started": manifest["extra"]["engine_timings"]["started"]})
+    warm = [r for r in rows if r["step"] > 1]
+    return {"engine": engine, "steps": rows,
+            "per_step_wall_s_warm": round(sum(r["wall_s"] for r in warm) / len(warm), 3),
+            "fetch_from_store_s": round(sum(r["fetch_weights_s"] for r in warm if r["weights_from"] == "store")
+                                        / max(1, sum(r["weights_from"] == "store" for r in warm)), 4),
+            "fetch_adopted_s": round(sum(r["fetch_weights_s"] for r in warm if r["weights_from"] == "adopted")
+                                     / max(1, sum(r["weights_from"] == "adopted" for r in warm)), 4),
+            "engine_started_once": sum(r["engine_processes_started"] for r in warm) == 0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="hf,vllm")
@@ -85,6 +147,8 @@ def main() -> None:
                   f"({run['tokens_per_s']} tok/s), wall {run['wall_s']} s ({run['tokens_per_s_wall']} tok/s)",
                   file=sys.stderr)
             results["runs"].append(run)
+        results["resident"] = [bench_resident(engine, folder, model, train, args.seed)
+                               for engine in engines if engine in ("hf", "vllm")]
     by = {r["engine"]: r for r in results["runs"]}
     if "hf" in by and "vllm" in by:
         results["vllm_over_hf_generate"] = round(by["vllm"]["tokens_per_s"] / by["hf"]["tokens_per_s"], 3)

@@ -55,7 +55,6 @@ TOKENIZER_LIBRARIES = ("transformers", "tokenizers", "jinja2", "sentencepiece", 
 JSON_FIELDS = ("messages", "ground_truth", "extra_info")
 MEMO_ENTRIES = 4  # prepared splits kept per process (train and val of a run, and a spare)
 CHECKSUM_ENTRIES = 1024
-_CHUNK = 8 << 20
 
 _LOCK = threading.RLock()
 _MEMO: OrderedDict[str, tuple[PreparedRows, str | None]] = OrderedDict()
@@ -92,11 +91,9 @@ def _stat_memo(path: str, kind: str, compute):
 
 
 def _sha256_file(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    from storage.weights import file_sha256
+
+    return file_sha256(path)
 
 
 def file_checksum(path) -> str:

@@ -68,16 +68,15 @@ def test_resident_engine_loads_new_weights_in_place_and_equals_a_fresh_one(model
 
 
 def test_two_resident_replicas_split_rows_and_stay_up(models):
-    """hf replicas on a CPU share one worker process (one engine with every core); each replica's
-    rows are still seeded as its own, so they equal separate engines' rows (the fresh call runs
-    the replicas one after the other in this process)."""
+    """Two replicas: a worker process each, kept across steps; the rows equal a fresh call's
+    (which runs the replicas one after the other in this process, with a replica's threads)."""
     a, b = models
     resident = RolloutEngines(resident=True)
     try:
         _, first = _generate(resident, "hf", a, replicas=2)
         pids = resident.pids()
         rows, second = _generate(resident, "hf", b, replicas=2)
-        assert len(pids) == 1 and resident.pids() == pids and resident.starts == 1
+        assert len(pids) == 2 and resident.pids() == pids and resident.starts == 2
         assert [r["rows"] for r in second["replicas"]] == [4, 4]
     finally:
         resident.close()

@@ -2,8 +2,8 @@
 
 stagerl loads it as `custom_reward_function.path` (verl's signature `compute_score(data_source,
 solution_str, ground_truth, extra_info)`); TRL's GRPOTrainer gets `trl_reward`, the same rule
-wrapped in TRL's `reward_funcs` signature. It imports nothing from stagerl or TRL, so it loads in
-either virtual environment.
+wrapped in TRL's `reward_funcs` signature. It imports only stages/scorers.py (standard library
+only), so it loads in either virtual environment.
 
 The rule is stagerl's arithmetic scorer (stages.scorers.compute_score_arith): 1.0 when the last
 integer of the response equals the integer ground truth, else 0.0. Even an untrained tiny model
@@ -12,32 +12,16 @@ not all zero and both trainers do a real update.
 """
 from __future__ import annotations
 
-import re
+import sys
+from pathlib import Path
 
-_DIGITS = re.compile(r"\d+")
-
-
-def last_integer(text: str) -> int | None:
-    """Last integer in the text; a "-" or "+" right before it is its sign unless it follows a
-    letter, digit or ")" (so "20-1=19" gives 19, "x = -19" gives -19)."""
-    match = None
-    for match in _DIGITS.finditer(text):
-        pass
-    if match is None:
-        return None
-    value, start = int(match.group()), match.start()
-    if start > 0 and text[start - 1] in "+-":
-        before = text[start - 2] if start > 1 else " "
-        if not (before.isalnum() or before in ")_"):
-            value = -value if text[start - 1] == "-" else value
-    return value
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: stages.scorers
+from stages.scorers import compute_score_arith  # noqa: E402
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
     """verl's custom reward signature: {"score": 1.0 or 0.0, "acc": bool}."""
-    answer = last_integer(solution_str)
-    correct = answer is not None and answer == int(str(ground_truth).strip())
-    return {"score": 1.0 if correct else 0.0, "acc": correct}
+    return compute_score_arith(solution_str, ground_truth)
 
 
 def completion_text(completion) -> str:

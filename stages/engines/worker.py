@@ -149,7 +149,8 @@ def _handle(engine, op: str, arg):
         texts = (_tokenizer(engine).batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
                  if arg.get("decode") else [None] * len(gens))
         rows = [(g.response_ids, g.finish_reason, g.log_probs, text) for g, text in zip(gens, texts)]
-        return engine, {"rows": rows, "generate_s": round(t1 - t0, 4)}
+        return engine, {"rows": rows, "generate_s": round(t1 - t0, 4),
+                        "decode_s": round(time.perf_counter() - t1, 4)}
     if op == "decode":
         return engine, _tokenizer(engine).batch_decode(arg["ids"], skip_special_tokens=arg["skip_special_tokens"])
     if op == "sleep":
