@@ -274,6 +274,8 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
                 "warmstart", run_uri, 0, step_extra(dataset, 1, total), return_state=True))
         if trainer["val_before_train"] and not _first_done(run_uri, total, dataset):
             _log_validation(sinks, 0, validate(run_uri, 0, step_extra(dataset, 1, total)))
+        if pool is not None:  # the first update's DeepSpeed set-up, beside the first rollout
+            prepare_update(pool, run_uri, dataset, total)
         with subflow_heartbeats_off():  # the steps' subflows (flows.step)
             for step in range(1, total + 1):
                 t0 = time.perf_counter()  # timing_s/step: the whole iteration except validation
@@ -333,6 +335,19 @@ def start_rank_pool(cfg: dict, plan: dict):
     pool = activate(RankPool(world, str(cfg["trainer"]["device"])))
     pool.start(wait=False)  # the ranks start while the first rollout runs; the first job waits
     return pool
+
+
+def prepare_update(pool, run_uri: str, dataset, total: int) -> None:
+    """Submit stages.update_worker's prepare job for the first step whose update has not run:
+    the ranks build its engines (and load the previous state) while that step's rollout runs."""
+    from flows.step import stage_is_complete
+
+    for step in range(1, total + 1):
+        ctx = make_context(run_uri, step, step_extra(dataset, step, total))
+        if not stage_is_complete(ctx, "update"):
+            ctx.extra["prepare_only"] = True
+            pool.submit_background("stages.update_worker", ctx)
+            return
 
 
 def _first_done(run_uri: str, total: int, dataset) -> bool:

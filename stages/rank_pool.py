@@ -147,6 +147,7 @@ class RankPool:
         global _ACTIVE
         if not self.owner:
             return
+        self._join_background()
         if self.proc is not None and self.proc.poll() is None:
             (self.work_dir / "stop").write_text("")
             try:
@@ -168,10 +169,32 @@ class RankPool:
             self.proc = None
 
     # ---- jobs ---------------------------------------------------------------------------------
+    def submit_background(self, module: str, ctx, timeout_s: float = 1800) -> None:
+        """submit() in a thread, for work that may overlap what the caller does next (a run's
+        first DeepSpeed set-up while its first rollout samples). The next submit waits for it;
+        its failure is only printed (the job it prepared is then done by the next one)."""
+        def run():
+            try:
+                self.submit(module, ctx, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                print(f"rank pool: background job {module} failed ({type(exc).__name__}: {exc}); "
+                      f"the next job does its work", file=sys.stderr, flush=True)
+
+        self._join_background()
+        self._background = threading.Thread(target=run, name=f"pool-{module}", daemon=True)
+        self._background.start()
+
+    def _join_background(self) -> None:
+        thread = getattr(self, "_background", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+            self._background = None
+
     def submit(self, module: str, ctx, timeout_s: float = 1800) -> list:
         """Run `module.rank_main(ctx, rank, world)` on every rank of the pool; results by rank."""
         from stages.launch import context_payload
 
+        self._join_background()
         payload = context_payload(ctx)
         payload["device"] = self.device
         with self._lock, (self.work_dir / "submit.lock").open("a") as lock_file:

@@ -338,6 +338,26 @@ def _rng_state() -> dict:
     return rng
 
 
+def _prepare(ctx, rank: int, world: int, device: str, key, t0: float) -> dict:
+    """Build the engines step ctx.step will train with (and load the previous step's state), then
+    keep them as if that step's predecessor had just trained: the step reuses them. A training
+    run submits this in the background before its first update (stages.rank_pool
+    submit_background), so DeepSpeed's set-up overlaps the first rollout. The kept RNG state is
+    the one the step would have after building and loading, so the result is unchanged."""
+    from stages.launch import rank_device
+
+    if key is None:  # engines are not kept here: nothing to prepare
+        return {"rank": rank, "prepared": False}
+    job = UpdateJob(ctx, rank, world, rank_device(device))
+    if ctx.step > 1:
+        from stages.update import previous_state
+
+        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles()})
+    _KEPT.clear()
+    _KEPT[key] = (job, ctx.step - 1, _rng_state())
+    return {"rank": rank, "prepared": True, "prepare_s": round(time.perf_counter() - t0, 3)}
+
+
 def release_kept_jobs() -> None:
     """Drop the engines kept between steps (the end of a training run in this process)."""
     import gc
@@ -386,6 +406,8 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     if keep and session is not None:
         session.on_close("update engines", release_kept_jobs)
     key = _job_key(ctx, world) if keep else None
+    if ctx.extra.get("prepare_only"):
+        return _prepare(ctx, rank, world, device, key, t0)
     job = _take_kept_job(ctx, key) if keep else None
     reused = job is not None
     if job is None:

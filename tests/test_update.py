@@ -264,5 +264,15 @@ def test_update_forward_replaces_the_old_log_prob_pass(tmp_path, model_dir):
     flat = lambda col: torch.tensor([v for row in col for v in row])
     assert torch.allclose(flat(stored["old_log_probs"]), flat(passed["old_log_probs"]), atol=1e-5)
     assert torch.allclose(flat(stored["entropy"]), flat(passed["entropy"]), atol=1e-5)
-    # the logprob stage of the fused run ran no pass: its table has only each row's rank
+    # the logprob stage of the fused run ran no pass: its table has only each row's rank ...
     assert logprob.run(fused_ctx)["extra"]["passes"] == []
+    assert read_table(fused_ctx.store, fused_ctx.layout, 1, "logprob").schema.names == ["rank"]
+    # ... and inspect / show / query read the update's old log-probs as the step's logprob table
+    from storage.query import connect
+    from storage.run_view import RunView
+
+    view = RunView(fused_ctx.store, fused_ctx.layout)
+    assert view.table(1, "logprob").column("old_log_probs").to_pylist() == stored["old_log_probs"]
+    con = connect(view)
+    n = con.sql("select count(*) from logprob where len(old_log_probs) = len(entropy)").fetchall()[0][0]
+    assert n == fused_ctx.plan["rows_per_step"]
