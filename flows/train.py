@@ -299,6 +299,8 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
                 if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
                     _log_validation(sinks, step, validate(run_uri, step, extra))
         session.wait_commits()  # the last update is in the store before the run reports done
+        if ran:  # the folder kept while the last step was committing in the background
+            prune_weights(store, layout, ran[-1], cfg)
         return {"run": run_uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
                 "last_metrics": last}
     finally:

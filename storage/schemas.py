@@ -20,11 +20,12 @@ class SchemaError(ValueError):
 class StageSchema:
     """Required and optional columns of one artifact."""
 
-    def __init__(self, name: str, required: list, optional: list = (), per_token=()):
+    def __init__(self, name: str, required: list, optional: list = (), per_token=(), together=()):
         self.name = name
         self.required = pa.schema(required)
         self.optional = pa.schema(list(optional))
         self.per_token = tuple(per_token)
+        self.together = tuple(tuple(group) for group in together)  # optional columns that come as a set
 
     @property
     def fields(self) -> dict:
@@ -38,6 +39,12 @@ class StageSchema:
             if f.name not in names:
                 raise SchemaError(f"{self.name}: missing column {f.name!r} "
                                   f"(expected {f.type}){at}")
+        for group in self.together:
+            present = [c for c in group if c in names]
+            if present and len(present) < len(group):
+                missing = next(c for c in group if c not in names)
+                raise SchemaError(f"{self.name}: missing column {missing!r} (it comes with "
+                                  f"{', '.join(present)}){at}")
         for name, expected in self.fields.items():
             if name in names and not _same_type(table.schema.field(name).type, expected):
                 raise SchemaError(f"{self.name}: column {name!r} has type "
@@ -94,6 +101,7 @@ SCHEMAS = {
         optional=[("old_log_probs", TOK_F32), ("entropy", TOK_F32), ("ref_log_probs", TOK_F32),
                   ("values", TOK_F32)],
         per_token=("old_log_probs", "ref_log_probs", "entropy", "values"),
+        together=[("old_log_probs", "entropy")],
     ),
     # update/log_probs.parquet: the update's first forward (detached) when it replaced the
     # separate old-log-prob pass (plan rollout.old_log_prob_pass false); rollout row order.
