@@ -327,10 +327,9 @@ def freeze_heap() -> None:
 def start_rank_pool(cfg: dict, plan: dict):
     """One long-lived group of ranks for the whole run (stages.rank_pool): logprob and update of
     every step reuse it instead of paying a torchrun launch and a DeepSpeed set-up each time. One
-    rank too: its process imports DeepSpeed and builds the engine while this process does other
-    work (start-up, the first rollout), and this process never loads the training stack."""
+    rank trains in this process (stages.update_worker keeps its engine for the run)."""
     world = plan["n_gpus"]
-    if cfg["orchestration"]["mode"] != "local" or cfg["trainer"].get("launcher") == "deepspeed":
+    if world <= 1 or cfg["orchestration"]["mode"] != "local" or cfg["trainer"].get("launcher") == "deepspeed":
         return None
     from stages.rank_pool import RankPool, activate
 

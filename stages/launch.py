@@ -81,11 +81,6 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     if world == 1:
-        from stages.rank_pool import active_pool
-
-        pool = active_pool()
-        if pool is not None and pool.world == 1 and pool.device == str(device):
-            return pool.submit(module, ctx, timeout_s=timeout_s)
         mod = importlib.import_module(module)
         return [mod.rank_main(ctx, 0, 1)]
     launcher = launcher or _ctx_value(ctx, "trainer.launcher") or "torchrun"

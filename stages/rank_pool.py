@@ -43,8 +43,8 @@ _ACTIVE: "RankPool | None" = None
 class RankPool:
     def __init__(self, world: int, device: str = "cpu", work_dir=None, start_timeout_s: float = 600,
                  grace_s: float = 30.0):
-        if world < 1:
-            raise ValueError(f"a rank pool needs world >= 1, got {world}")
+        if world < 2:
+            raise ValueError(f"a rank pool needs world >= 2 (world 1 runs in-process), got {world}")
         self.world, self.device = int(world), str(device)
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="stagerl-pool-"))
@@ -85,16 +85,11 @@ class RankPool:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for f in list(self.work_dir.glob("ready_*")) + [self.work_dir / "stop"]:
             f.unlink(missing_ok=True)
-        server = ["-m", "stages.rank_server", str(self.work_dir), self.device, str(os.getpid())]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}",
+               "-m", "stages.rank_server", str(self.work_dir), self.device, str(os.getpid())]
         env = dict(os.environ)
         env.pop(POOL_ENV, None)
-        if self.world > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={self.world}"] + server
-            env["OMP_NUM_THREADS"] = "1"
-        else:  # one rank: no launcher process; the rank gets this machine's cores
-            cmd = [sys.executable] + server
-            env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+        env["OMP_NUM_THREADS"] = "1"
         env["MASTER_PORT"] = str(free_port())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")

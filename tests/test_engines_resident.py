@@ -40,56 +40,60 @@ def _generate(engines, engine, model_dir, replicas=1):
     return [(g.response_ids, g.log_probs) for g in gens], options.timings
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_resident_engine_loads_new_weights_in_place_and_equals_a_fresh_one(models, engine):
+@pytest.mark.parametrize("engine, replicas", [("hf", 2), ("vllm", 1)])
+def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models, engine, replicas):
+    """Worker processes (vLLM; hf with several replicas): started once, new weights loaded into
+    them, a killed one restarted; every time the rows equal a freshly started engine's."""
     a, b = models
     resident = RolloutEngines(resident=True)
     try:
-        rows_a, first = _generate(resident, engine, a)
+        rows_a, first = _generate(resident, engine, a, replicas)
         pids = resident.pids()
-        rows_b, second = _generate(resident, engine, b)  # new weights, same engine process
-        assert resident.pids() == pids and resident.starts == 1
-        assert first["started"] == 1 and second["started"] == 0 and second["load_weights_s"] > 0
-        again, third = _generate(resident, engine, b)  # same weights: nothing loaded
+        assert len(pids) == replicas
+        rows_b, second = _generate(resident, engine, b, replicas)  # new weights, same processes
+        assert resident.pids() == pids and resident.starts == replicas
+        assert first["started"] == replicas and second["started"] == 0 and second["load_weights_s"] > 0
+        again, third = _generate(resident, engine, b, replicas)  # same weights: nothing loaded
         assert third["load_weights_s"] == 0 and again == rows_b
 
-        # the dead worker is restarted (its weights loaded again) and gives the same rows
+        # a dead worker is restarted (its weights loaded again) and gives the same rows
         os.kill(pids[0], signal.SIGKILL)
-        restarted, fourth = _generate(resident, engine, b)
-        assert resident.pids() != pids and resident.starts == 2 and fourth["started"] == 1
+        restarted, fourth = _generate(resident, engine, b, replicas)
+        assert resident.pids()[1:] == pids[1:] and resident.pids()[0] != pids[0]
+        assert resident.starts == replicas + 1 and fourth["started"] == 1
         assert restarted == rows_b
     finally:
         resident.close()
     assert resident.pids() == []
-    fresh, _ = _generate(RolloutEngines(resident=False), engine, b)  # started for this call only
+    fresh, _ = _generate(RolloutEngines(resident=False), engine, b, replicas)  # started for this call only
     assert fresh == rows_b
     assert rows_a != rows_b  # the weights matter: the reload really changed the model
     assert all(len(lp) == len(ids) for ids, lp in rows_b)
 
 
-def test_two_resident_replicas_split_rows_and_stay_up(models):
-    """Two replicas: a worker process each, kept across steps; the rows equal a fresh call's
-    (which runs the replicas one after the other in this process, with a replica's threads)."""
+def test_hf_with_one_replica_stays_in_this_process(models):
+    """hf, one replica, CPU: the run's engine lives in this process (no worker to start), is
+    started once and takes new weights in place; the rows equal a fresh engine's."""
     a, b = models
     resident = RolloutEngines(resident=True)
     try:
-        _, first = _generate(resident, "hf", a, replicas=2)
-        pids = resident.pids()
-        rows, second = _generate(resident, "hf", b, replicas=2)
-        assert len(pids) == 2 and resident.pids() == pids and resident.starts == 2
-        assert [r["rows"] for r in second["replicas"]] == [4, 4]
+        rows_a, first = _generate(resident, "hf", a)
+        rows_b, second = _generate(resident, "hf", b)
+        assert resident.pids() == [] and resident.starts == 1
+        assert first["in_process"] and first["started"] == 1
+        assert second["started"] == 0 and second["load_weights_s"] > 0
     finally:
         resident.close()
-    fresh, _ = _generate(RolloutEngines(resident=False), "hf", b, replicas=2)
-    assert fresh == rows
+    fresh, _ = _generate(RolloutEngines(resident=False), "hf", b)
+    assert fresh == rows_b and rows_a != rows_b
 
 
 def test_a_failing_engine_reports_the_worker_log(tmp_path, models):
     resident = RolloutEngines(resident=True)
     try:
-        _generate(resident, "hf", models[0])
+        _generate(resident, "hf", models[0], replicas=2)
         (tmp_path / "config.json").write_text("{}")  # a folder with no weights
-        with pytest.raises(Exception, match="no \\*.safetensors weights"):
-            _generate(resident, "hf", tmp_path)
+        with pytest.raises(Exception, match="(?s)no \\*.safetensors weights.*worker log tail"):
+            _generate(resident, "hf", tmp_path, replicas=2)
     finally:
         resident.close()

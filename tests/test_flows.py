@@ -103,8 +103,10 @@ def assets(tmp_path_factory):
 
 def default_shape_overrides(assets, root, steps=2) -> list:
     """The CPU default's batch (60 prompts x 12 = 720 rows, 2 ranks, its micro-batches) with
-    short responses, no warm start and no validation, so that a step takes seconds."""
+    short responses, no warm start and no validation, so that a step takes seconds; hf replicas
+    (the default's vLLM engine is run by tests/test_shipped_configs.py and test_engines_*)."""
     return ["warmstart.enable=false", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "actor_rollout_ref.rollout.name=hf",
             f"data.train_files={assets}/train-120.parquet", f"data.val_files={assets}/test.parquet",
             f"actor_rollout_ref.model.path={assets}/model", f"storage.root={root}",
             f"storage.cache_dir={assets}/default-cache", "data.max_response_length=16",

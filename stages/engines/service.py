@@ -14,7 +14,8 @@ every row carries its own seed and the batches are fixed.
 
 Not resident (no session: a one-off rollout, a stage deployment, tests): hf runs in this process
 and is dropped after the call; vLLM gets one worker per replica for the call (its process exit
-frees GPU memory), all replicas started at once.
+frees GPU memory), all replicas started at once. One exception to worker processes: a run's hf
+engine with a single replica on a CPU is kept in the calling process (in_process_resident).
 """
 from __future__ import annotations
 
@@ -26,11 +27,20 @@ from stages.engines import (EngineOptions, Generation, Sampling, check_rows, eng
 from stages.engines.worker import EngineWorker, WorkerDied
 
 
+def in_process_resident(specs) -> bool:
+    """hf with one replica on a CPU stays in the calling process even in a run: a worker process
+    would add a Python with torch and transformers to import (seconds of CPU on a small machine)
+    for no parallelism, and nothing needs freeing for the update. vLLM, several replicas and GPUs
+    get worker processes."""
+    return len(specs) == 1 and specs[0].engine == "hf" and specs[0].device == "cpu"
+
+
 class RolloutEngines:
     def __init__(self, resident: bool = True, log_dir=None):
         self.resident = resident
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="stagerl-engines-")
         self.workers: dict[int, EngineWorker] = {}
+        self.local = None  # (restart key, engine, weights folder) of an engine in this process
         self.starts = 0  # worker processes started (a resident run: once per replica)
         self.restarts = 0  # of which after a worker died
 
@@ -44,7 +54,7 @@ class RolloutEngines:
         t0 = time.perf_counter()
         shares = replica_shares(len(prompt_ids), sampling.n, options.num_replicas, options.prompts_per_replica)
         specs = [make_spec(options, engine, r, len(shares)) for r in range(len(shares))]
-        if not self.resident and engine == "hf":
+        if engine == "hf" and (not self.resident or in_process_resident(specs)):
             return self._in_process(specs, shares, prompt_ids, sampling, options, t0)
         timings = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0, "replicas": []}
         slots = [self.slot_spec(spec) for spec in specs]
@@ -116,6 +126,9 @@ class RolloutEngines:
         step, so engine start-up overlaps the rest of the set-up)."""
         if not self.resident:
             return
+        specs = [make_spec(options, engine, r, max(1, options.num_replicas)) for r in range(max(1, options.num_replicas))]
+        if engine == "hf" and in_process_resident(specs):
+            return  # started by the first call, in this process
         for r in range(max(1, options.num_replicas)):
             self._launch(self.slot_spec(make_spec(options, engine, r, max(1, options.num_replicas))))
 
@@ -149,21 +162,25 @@ class RolloutEngines:
             timings["load_weights_s"] = max(timings["load_weights_s"], loaded["load_weights_s"])
 
     def _in_process(self, specs, shares, prompt_ids, sampling, options, t0) -> list[Generation]:
-        """hf without a session: one engine in this process for every replica, in turn, with
-        the threads a worker process would have (float sums depend on the thread count, so the
-        rows then equal a resident worker's bit for bit)."""
+        """hf in this process: every replica in turn, with the threads a worker process would
+        have (float sums depend on the thread count, so the rows equal a worker's bit for bit).
+        Resident (in_process_resident), the engine is kept and takes new weights in place;
+        otherwise it is dropped after the call."""
         import torch
 
-        engine = engine_class("hf")()
+        timings = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0}
+        key = specs[0].restart_key()
+        if self.local is None or self.local[0] != key:
+            self.local = (key, engine_class("hf")(), None)
+            timings["engine_start_s"], timings["started"] = self.local[1].start(specs[0])["engine_start_s"], 1
+            self.local = (key, self.local[1], specs[0].model_dir)
+            self.starts += 1
+        key, engine, loaded = self.local
+        if loaded != specs[0].model_dir:
+            timings["load_weights_s"] = engine.load_weights(specs[0].model_dir)["load_weights_s"]
+            self.local = (key, engine, specs[0].model_dir)
         threads = torch.get_num_threads()
         torch.set_num_threads(self.slot_spec(specs[0]).threads)
-        try:
-            return self._in_process_generate(engine, specs, shares, prompt_ids, sampling, options, t0)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _in_process_generate(self, engine, specs, shares, prompt_ids, sampling, options, t0):
-        started = engine.start(specs[0])
         results: list[Generation] = [None] * len(prompt_ids)
         replicas = []
         try:
@@ -175,9 +192,10 @@ class RolloutEngines:
                 replicas.append({"replica": spec.replica, "rows": len(share),
                                  "generate_s": round(time.perf_counter() - t, 4)})
         finally:
-            engine.stop()
-        options.timings.update({"engine_start_s": started["engine_start_s"], "load_weights_s": 0.0,
-                                "started": 1, "replicas": replicas,
+            torch.set_num_threads(threads)
+            if not self.resident:
+                self.close()
+        options.timings.update({**timings, "in_process": True, "replicas": replicas,
                                 "generate_s": round(sum(r["generate_s"] for r in replicas), 4),
                                 "wall_s": round(time.perf_counter() - t0, 4)})
         return results
@@ -195,6 +213,9 @@ class RolloutEngines:
         for worker in self.workers.values():
             worker.close()
         self.workers.clear()
+        if self.local is not None:
+            self.local[1].stop()
+            self.local = None
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers.values() if w.alive()]
