@@ -31,8 +31,11 @@ $(DS_OP): $(STAMP)
 
 install: $(STAMP) $(DS_OP)
 
+# Two test workers (pytest-xdist), one test file each at a time: module-scoped Prefect servers and
+# runs stay in one worker; most tests wait on subprocesses, so 2 workers fit this 2-core machine.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: install
 	$(PY) -m flows.demo

