@@ -20,8 +20,8 @@ validation, evaluation or checkpoints, fp32. Both generate the step's rows in on
 `generate` call per engine (stagerl's hf_generate_batch_size=120 prompts covers the 60).
 
 Variants: trl; stagerl-{hf|vllm}-{N}rank (trainer.n_gpus_per_node=N; vllm: rollout.name=vllm,
-enforce_eager=true, only with --with-vllm or named); a `-tasks` suffix sets
-orchestration.step_subflow=false. Threads: TRL OMP_NUM_THREADS=2 + torch.set_num_threads(2);
+enforce_eager=true, only with --with-vllm or named), with stagerl's default orchestration (stage
+tasks in the rl-train flow run); a `-subflow` suffix sets orchestration.step_subflow=true. Threads: TRL OMP_NUM_THREADS=2 + torch.set_num_threads(2);
 stagerl's flow process OMP_NUM_THREADS=2 (rollout, and logprob/update with 1 rank); with 2 ranks
 the rank pool gives each rank 1 thread.
 
@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 PEER = REPO / "bench" / "peer"
 DEFAULT_VARIANTS = ("trl", "stagerl-hf-1rank", "stagerl-hf-2rank")
 VLLM_VARIANT = "stagerl-vllm-1rank"
-VARIANT_RE = re.compile(r"^stagerl-(hf|vllm)-(\d+)rank(-tasks)?$")
+VARIANT_RE = re.compile(r"^stagerl-(hf|vllm)-(\d+)rank(-subflow)?$")
 STAGES = ("rollout", "logprob", "reward", "advantage", "update")
 WORK = {"prompts": 60, "n": 12, "micro_batch": 120, "max_prompt_tokens": 16, "max_response_tokens": 16,
         "temperature": 1.0, "top_p": 1.0, "lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.01,
@@ -67,9 +67,9 @@ def parse_variant(name: str) -> dict:
         return {"side": "trl"}
     match = VARIANT_RE.match(name)
     if not match:
-        raise SystemExit(f"unknown variant {name!r}: use trl or stagerl-{{hf|vllm}}-{{N}}rank[-tasks]")
+        raise SystemExit(f"unknown variant {name!r}: use trl or stagerl-{{hf|vllm}}-{{N}}rank[-subflow]")
     return {"side": "stagerl", "engine": match.group(1), "ranks": int(match.group(2)),
-            "step_subflow": not match.group(3)}
+            "step_subflow": bool(match.group(3))}
 
 
 def build_inputs(work: Path) -> dict:

@@ -90,13 +90,8 @@ def test_truncation_modes(tmp_path, tokenizer):
 
 
 def test_filter_overlong_prompts(tmp_path, tokenizer):
-    short = make_arith_dataset(6, seed=0, difficulty=1)
-    long = make_arith_dataset(3, seed=0, difficulty=5)
-    for row in long:
-        row["prompt"][0]["content"] += " Please think about it step by step, then answer." * 3
-    path = write_rows(short + long, tmp_path / "mixed.parquet")
-    limit = max(len(_templated(tokenizer, r["prompt"])) for r in short)
-    data = RLDataset(_config(str(path), max_prompt_length=limit, filter_overlong_prompts=True,
+    path, limit = _mixed_file(tmp_path, tokenizer)
+    data = RLDataset(_config(path, max_prompt_length=limit, filter_overlong_prompts=True,
                              train_batch_size=2), tokenizer)
     assert len(data) == 6 and data.filtered_count == 3
     assert "filtered 3" in data.summary()
