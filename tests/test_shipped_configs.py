@@ -67,10 +67,13 @@ def server(tmp_path_factory):
         yield srv
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-def test_shipped_config_trains_two_steps_on_cpu(config, assets, server, tmp_path):
+@pytest.mark.parametrize("config, engine", [*((c, None) for c in CONFIGS), ("tiny-cpu", "vllm")])
+def test_shipped_config_trains_two_steps_on_cpu(config, engine, assets, server, tmp_path):
+    """Each shipped config (and tiny-cpu with the resident vLLM engine): 2 steps on the CPU."""
     gsm8k = "gsm8k" in str(load_config(config, [])["data"]["train_files"])
     overrides = cpu_substitutions(assets, tmp_path / "runs", gsm8k)
+    if engine:
+        overrides.append(f"actor_rollout_ref.rollout.name={engine}")
     cfg = load_config(config, overrides)
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", config, *overrides],
                             cwd=REPO, env=server.env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
@@ -87,6 +90,7 @@ def test_shipped_config_trains_two_steps_on_cpu(config, assets, server, tmp_path
     for step in (1, 2):
         for stage in STAGES:
             assert read_manifest(store, layout, step, stage), (step, stage, out[-3000:])
+    assert read_manifest(store, layout, 2, "rollout")["extra"]["engine"] == cfg["actor_rollout_ref"]["rollout"]["name"]
     logprob = read_table(store, layout, 2, "logprob").schema.names
     kl = cfg["actor_rollout_ref"]["actor"]["use_kl_loss"] or cfg["algorithm"]["use_kl_in_reward"]
     assert ("ref_log_probs" in logprob) == bool(kl)  # no KL: no reference pass (as verl)
