@@ -213,6 +213,9 @@ def _check_value(path: str, value: Any, warnings: list[str], raw_value: Any = No
         ok = any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in spec.types)
         if spec.types and not ok:
             raise ConfigError(f"{path}: expected {spec.type_names()}, got {type(value).__name__} {value!r}")
+        problem = spec.out_of_bounds(value)
+        if problem:
+            raise ConfigError(f"{path}={value!r}: {problem} ({spec.doc})")
         if spec.choices:
             items = value if isinstance(value, list) else [value]
             bad = [v for v in items if v not in spec.choices]
@@ -229,6 +232,27 @@ def _check_value(path: str, value: Any, warnings: list[str], raw_value: Any = No
     return value
 
 
+def read_config_file(path: Path) -> Any:
+    """A config file's YAML; refuses binary or malformed content in one line naming the file and line."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}, line {line}: not UTF-8 text (byte {err.start}); "
+                          f"is it a YAML file?") from None
+    if "\x00" in text:
+        line = text[:text.index("\x00")].count("\n") + 1
+        raise ConfigError(f"config file {path}, line {line}: a NUL byte; is it a YAML file?")
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {path}{where}: malformed YAML ({problem})") from None
+
+
 def build_raw(config: str | None = None, overrides: Iterable[str] = ()) -> tuple[dict, list[str], str, list[str]]:
     """base.yaml + config file + overrides, before interpolation and checks."""
     tree = copy.deepcopy(load_schema().defaults)
@@ -236,7 +260,7 @@ def build_raw(config: str | None = None, overrides: Iterable[str] = ()) -> tuple
     warnings: list[str] = []
     if name != "base":
         path = resolve_config_file(name)
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_config_file(path)
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys")
         _merge_file(tree, data, path.name)

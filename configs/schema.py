@@ -35,6 +35,19 @@ class KeySpec:
     deprecated: bool = False   # verl's deprecated global size
     doc: str = ""
     free_dict: bool = False    # a dict whose content is free-form (subkeys may be added)
+    bound: tuple = ()          # ("min", n): value >= n; ("above", n): value > n (null is not checked)
+
+    def out_of_bounds(self, value) -> str | None:
+        """Why `value` is below this key's bound (<min n> / <above n> in base.yaml), or None."""
+        if not self.bound or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        kind, limit = self.bound
+        shown = int(limit) if limit == int(limit) else limit
+        if kind == "min" and value < limit:
+            return f"must be >= {shown}"
+        if kind == "above" and value <= limit:
+            return f"must be > {shown}"
+        return None
 
     def type_names(self) -> str:
         names = [t.__name__ for t in self.types] + (["null"] if self.nullable else [])
@@ -80,6 +93,9 @@ def _parse_tags(comment: str) -> tuple[dict, str]:
             tags["type"] = body
         elif tok[0] == "{":
             tags["choices"] = tuple(yaml.safe_load(v.strip()) for v in body.split("|"))
+        elif body.split()[0] in ("min", "above"):
+            kind, number = body.split()
+            tags["bound"] = (kind, float(number))
         else:
             tags[body.split(":")[0].strip()] = True
     return tags, comment.strip()
@@ -111,7 +127,7 @@ def _spec_for(path: str, default: Any, comment: str) -> KeySpec:
         path=path, default=default, types=types, nullable=nullable,
         choices=tags.get("choices", ()), inert="inert" in tags, fixed="fixed" in tags,
         deprecated="deprecated" in tags, doc=doc,
-        free_dict=(types == (dict,)),
+        free_dict=(types == (dict,)), bound=tags.get("bound", ()),
     )
 
 

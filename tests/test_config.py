@@ -139,3 +139,48 @@ def test_cli_config_show_and_keys(capsys):
     assert "| `data.train_batch_size` | `1024` | prompts per RL step" in out
     assert main(["config", "show", "data.nope=1"]) == 2
     assert "unknown config key 'data.nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("warmstart.steps=-5", "warmstart.steps=-5: must be >= 1"),
+    ("trainer.total_training_steps=-1", "trainer.total_training_steps=-1: must be >= 1"),
+    ("trainer.total_training_steps=0", "trainer.total_training_steps=0: must be >= 1"),
+    ("trainer.total_epochs=0", "trainer.total_epochs=0: must be >= 1"),
+    ("storage.lock_stale_seconds=-1", "storage.lock_stale_seconds=-1: must be > 0"),
+    ("orchestration.storage_retries=-1", "orchestration.storage_retries=-1: must be >= 0"),
+    ("orchestration.retry_delay_s=-0.5", "orchestration.retry_delay_s=-0.5: must be >= 0"),
+    ("data.max_prompt_length=-1", "data.max_prompt_length=-1: must be >= 1"),
+    ("data.max_response_length=0", "data.max_response_length=0: must be >= 1"),
+    ("actor_rollout_ref.rollout.temperature=-1", "actor_rollout_ref.rollout.temperature=-1.0: must be >= 0"),
+    ("reward.num_workers=-1", "reward.num_workers=-1: must be >= 1"),
+    ("reward.timeout_s=0", "reward.timeout_s=0.0: must be > 0"),
+])
+def test_values_below_a_keys_bound_are_refused_before_start_up(override, needle, capsys):
+    """Bounds come from base.yaml's <min N>/<above N> tags; `stagerl plan` exits 2 naming the key."""
+    assert needle in refused([override])
+    assert main(["plan", override]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bounds_accept_their_edge_and_null():
+    cfg = load_config("tiny-cpu", ["orchestration.storage_retries=0", "actor_rollout_ref.rollout.temperature=0",
+                                   "trainer.total_training_steps=1", "trainer.total_training_steps=null"])
+    assert cfg["orchestration"]["storage_retries"] == 0 and cfg["trainer"]["total_training_steps"] is None
+    assert load_schema().specs["data.max_response_length"].bound == ("min", 1.0)
+
+
+def test_malformed_or_binary_config_files_are_refused_in_one_line(tmp_path, capsys):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data:\n  train_batch_size: 4\n  max_prompt_length: [1, 2\nother: 3\n")
+    msg = refused([], config=str(broken))
+    assert "broken.yaml" in msg and "malformed YAML" in msg and "line " in msg and "\n" not in msg
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"data:\n  x: 1\n\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    msg = refused([], config=str(binary))
+    assert msg.startswith(f"config file {binary}, line 3: not UTF-8 text") and "\n" not in msg
+    nul = tmp_path / "nul.yaml"
+    nul.write_bytes(b"data:\n  x: 1\n\x00\x00")
+    assert "line 3: a NUL byte" in refused([], config=str(nul))
+    assert main(["plan", "--config", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "broken.yaml" in err and "Traceback" not in err
