@@ -2,8 +2,11 @@
 checksum: a folder is downloaded once per machine.
 
 The folder's files are copied as they are; `_manifest.json` (sizes, sha256 per file and the
-folder checksum) is written last and is what makes the folder complete."""
+folder checksum) is written last and is what makes the folder complete. A cached folder is sealed
+by `.complete` (the checksum and each file's size and mtime as cached); a cache hit re-hashes a
+file only when it changed since, and a damaged folder is downloaded again."""
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -73,7 +76,7 @@ def adopt_folder(local_dir, checksum: str, cache_dir) -> Path | None:
     if (target / ".complete").exists():
         return None
     cache.mkdir(parents=True, exist_ok=True)
-    (Path(local_dir) / ".complete").write_text(checksum)
+    _seal(Path(local_dir), checksum)
     try:
         os.rename(local_dir, target)
     except OSError:
@@ -83,6 +86,59 @@ def adopt_folder(local_dir, checksum: str, cache_dir) -> Path | None:
         shutil.copytree(local_dir, tmp)
         os.rename(tmp, target)
     return target
+
+
+def _file_stat(path: Path) -> list:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _seal(folder: Path, checksum: str) -> None:
+    """Write `.complete` (atomically, last): the checksum and each file's [size, mtime_ns]."""
+    files = {p.relative_to(folder).as_posix(): _file_stat(p)
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (".complete", ".complete.tmp")}
+    tmp = folder / ".complete.tmp"
+    tmp.write_text(json.dumps({"checksum": checksum, "files": files}))
+    os.replace(tmp, folder / ".complete")
+
+
+def cached_folder_problem(folder: Path, manifest: dict) -> str | None:
+    """None when the cached `folder` holds every file of `manifest` as recorded; else what is
+    wrong. Sizes are always compared; a file is re-hashed only when its size or mtime differ from
+    the seal's (a folder sealed by an older version has no stats: all files are hashed once, then
+    it is sealed again)."""
+    try:
+        seal = json.loads((folder / ".complete").read_text())
+    except (OSError, ValueError):
+        seal = {}
+    stats = seal.get("files") if isinstance(seal, dict) else None
+    stats, rehashed = stats if isinstance(stats, dict) else {}, False
+    for rel, entry in manifest["files"].items():
+        path = folder / rel
+        try:
+            now = _file_stat(path)
+        except FileNotFoundError:
+            return f"{rel} is missing"
+        if now[0] != entry["size"]:
+            return f"{rel} has {now[0]} bytes, the manifest says {entry['size']}"
+        if stats.get(rel) == now:
+            continue
+        if file_sha256(path) != entry["sha256"]:
+            return f"{rel} does not match the manifest's sha256"
+        rehashed = True
+    if rehashed:
+        _seal(folder, manifest["checksum"])  # verified as the files are now
+    return None
+
+
+def _discard(folder: Path) -> None:
+    """Move a damaged cached folder out of the way (readers that have its files open keep them)."""
+    trash = folder.parent / f".bad-{folder.name[:16]}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(folder, trash)
+    except FileNotFoundError:
+        return  # another process discarded it first
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def folder_manifest(store: Store, key: str) -> dict:
@@ -99,7 +155,12 @@ def load_folder(store: Store, key: str, cache_dir=None) -> Path:
     cache = Path(cache_dir or store.cache_dir) / "folders"
     target = cache / manifest["checksum"]
     if (target / ".complete").exists():
-        return target
+        problem = cached_folder_problem(target, manifest)
+        if problem is None:
+            return target
+        print(f"weights cache: {target} is damaged ({problem}); downloading {store.url(key)} again",
+              flush=True)
+        _discard(target)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f".tmp-{manifest['checksum'][:16]}-{uuid.uuid4().hex[:8]}"
     try:
@@ -109,7 +170,7 @@ def load_folder(store: Store, key: str, cache_dir=None) -> Path:
             store.get_file(f"{key}/{rel}", dest)
             if dest.stat().st_size != entry["size"] or file_sha256(dest) != entry["sha256"]:
                 raise ChecksumError(f"checksum mismatch for {store.url(f'{key}/{rel}')}")
-        (tmp / ".complete").write_text(manifest["checksum"])
+        _seal(tmp, manifest["checksum"])
         try:
             os.rename(tmp, target)
         except OSError:  # another process filled the cache first

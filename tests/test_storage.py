@@ -253,6 +253,42 @@ def test_weights_save_load_and_cache(store, layout, tmp_path):
         load_weights(store, layout, 2)
 
 
+
+def test_damaged_weights_cache_is_detected_and_downloaded_again(store, layout, tmp_path, capsys, monkeypatch):
+    """A flipped byte (same size) or a truncated file in the cached folder is found on the next hit
+    and the folder is fetched again; an untouched hit hashes nothing; an old-style seal (no stats)
+    is verified once and sealed again."""
+    from storage import weights
+
+    src = make_hf_folder(tmp_path / "hf")
+    save_weights(store, layout, 1, src)
+    local = load_weights(store, layout, 1)
+    good = (src / "model.safetensors").read_bytes()
+    hashed = []
+    real_sha = weights.file_sha256
+    monkeypatch.setattr(weights, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha(path))
+    assert load_weights(store, layout, 1) == local and hashed == []  # unchanged since sealed
+
+    damaged = bytearray(good)
+    damaged[len(damaged) // 2] ^= 0x01  # one flipped bit, same size
+    (local / "model.safetensors").write_bytes(bytes(damaged))
+    again = load_weights(store, layout, 1)
+    assert "is damaged (model.safetensors does not match the manifest's sha256)" in capsys.readouterr().out
+    assert (again / "model.safetensors").read_bytes() == good
+
+    (again / "config.json").write_text("{}")  # another size
+    again = load_weights(store, layout, 1)
+    assert "config.json has 2 bytes" in capsys.readouterr().out
+    assert (again / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+    (again / ".complete").write_text(json.loads((again / ".complete").read_text())["checksum"])  # old seal
+    hashed.clear()
+    assert load_weights(store, layout, 1) == again and sorted(hashed) == sorted(
+        ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"])
+    hashed.clear()
+    assert load_weights(store, layout, 1) == again and hashed == []  # sealed again with stats
+    assert capsys.readouterr().out == ""
+
 # ---- lock --------------------------------------------------------------------------------
 def test_lock(storage_cfg, layout):
     store = Store.from_config(storage_cfg)
