@@ -128,7 +128,10 @@ def find_run(store, name: str):
         candidates = [(project, experiment)]
     else:
         candidates = [(p, name) for p in store.list("")]
-    found = [c for c in candidates if store.exists(RunLayout(*c).run_json)]
+    try:
+        found = [c for c in candidates if store.exists(RunLayout(*c).run_json)]
+    except ValueError as exc:  # storage.layout.InvalidName: '..', '/', empty parts
+        raise LookupError(f"experiment {name!r}: {exc}") from None
     if not found:
         raise LookupError(f"no experiment {name!r} with a run.json under {store.url('')}")
     if len(found) > 1:

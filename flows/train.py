@@ -16,6 +16,7 @@ from prefect import flow
 from flows.step import (check_stage_deployments, is_retryable, logger, make_context, register_run, rl_step,
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from flows.step_report import log_line, step_metrics, wait_published
+from stages.scratch import remove_orphans
 from stages.session import RunSession
 from storage.artifacts import fingerprint, read_run_json, write_run_json
 from storage.layout import RunLayout
@@ -237,6 +238,8 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
     (flows.step.run_step_subflow), or with orchestration.step_subflow=false its stage tasks
     directly in this flow run."""
     cfg, plan = resolve(config, overrides, experiment_name)
+    for folder in remove_orphans():  # scratch folders of killed runs on this host (stages.scratch)
+        print(f"removed {folder}: left by a process that is gone", flush=True)
     store = Store.from_config(cfg["storage"])
     layout = RunLayout.from_config(cfg)
     for warning in cfg.warnings:

@@ -45,6 +45,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stages.scratch import scratch_prefix
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STDERR_TAIL = 4000
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -96,7 +98,7 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         pool = active_pool()
         if pool is not None and pool.world == world and pool.device == str(device):
             return pool.submit(module, ctx, timeout_s=timeout_s)
-    with tempfile.TemporaryDirectory(prefix="stagerl-ranks-") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix("ranks")) as tmp_name:
         tmp = Path(tmp_name)
         ctx_file = tmp / "ctx.json"
         payload = context_payload(ctx)

@@ -30,10 +30,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+
+from stages.scratch import scratch_dir
 
 POOL_ENV = "STAGERL_RANK_POOL"
 ERROR_TAIL = 4000
@@ -47,7 +48,7 @@ class RankPool:
             raise ValueError(f"a rank pool needs world >= 2 (world 1 runs in-process), got {world}")
         self.world, self.device = int(world), str(device)
         self._own_dir = work_dir is None
-        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="stagerl-pool-"))
+        self.work_dir = Path(work_dir) if work_dir else scratch_dir("pool")
         self.start_timeout_s, self.grace_s = start_timeout_s, grace_s
         self.proc: subprocess.Popen | None = None
         self.owner = True

@@ -22,10 +22,11 @@ work folder, which must then be on a shared file system (single-node runs need n
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
+
+from stages.scratch import scratch_dir
 
 from stages.batching import format_load_line
 from storage.artifacts import read_manifest, write_stage
@@ -65,7 +66,7 @@ def run(ctx) -> dict:
     t0 = time.perf_counter()
     world = ctx.plan["n_gpus"]
     roles = ["actor"] + (["critic"] if ctx.plan.get("critic") else [])
-    work = Path(tempfile.mkdtemp(prefix=f"stagerl-update-{ctx.step:06d}-"))
+    work = scratch_dir("update", f"{ctx.step:06d}-")
     try:
         ctx.extra["update_work_dir"] = str(work)
         t1 = time.perf_counter()

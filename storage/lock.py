@@ -50,7 +50,7 @@ class ExperimentLock:
                     f"experiment {self.layout.base} is locked by host {current.get('host')} "
                     f"pid {current.get('pid')} since {current.get('time_iso')} "
                     f"({age:.0f}s ago; stale after {self.store.lock_stale_seconds:.0f}s). "
-                    f"Wait for it to finish, or break the lock with --force "
+                    f"Wait for it to finish, or break the lock with --force-lock "
                     f"(lock object: {self.store.url(self.key)})")
         self.store.write_json(self.key, self._record())
         again = self.holder()

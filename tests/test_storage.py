@@ -293,7 +293,7 @@ def test_damaged_weights_cache_is_detected_and_downloaded_again(store, layout, t
 def test_lock(storage_cfg, layout):
     store = Store.from_config(storage_cfg)
     first = ExperimentLock(store, layout).acquire()
-    with pytest.raises(LockedError, match=r"locked by host .* pid %d since" % os.getpid()):
+    with pytest.raises(LockedError, match=r"locked by host .* pid %d since .* break the lock with --force-lock " % os.getpid()):
         ExperimentLock(store, layout).acquire()
     forced = ExperimentLock(store, layout, force=True).acquire()
     with pytest.raises(LockedError, match="taken over"):

@@ -19,12 +19,13 @@ engine with a single replica on a CPU is kept in the calling process (in_process
 """
 from __future__ import annotations
 
-import tempfile
+import shutil
 import time
 
 from stages.engines import (EngineOptions, Generation, Sampling, check_rows, engine_class, make_spec,
                             replica_shares)
 from stages.engines.worker import EngineWorker, WorkerDied
+from stages.scratch import scratch_dir
 
 
 def in_process_resident(specs) -> bool:
@@ -38,7 +39,8 @@ def in_process_resident(specs) -> bool:
 class RolloutEngines:
     def __init__(self, resident: bool = True, log_dir=None):
         self.resident = resident
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="stagerl-engines-")
+        self._own_log_dir = log_dir is None  # removed on close (a failure quotes its log tail)
+        self.log_dir = str(log_dir or scratch_dir("engines"))
         self.workers: dict[int, EngineWorker] = {}
         self.local = None  # (restart key, engine, weights folder) of an engine in this process
         self.starts = 0  # worker processes started (a resident run: once per replica)
@@ -216,6 +218,8 @@ class RolloutEngines:
         if self.local is not None:
             self.local[1].stop()
             self.local = None
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers.values() if w.alive()]
