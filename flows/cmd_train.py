@@ -142,12 +142,15 @@ def find_run(store, name: str):
 
 def resume_arguments(doc: dict, root: str | None) -> tuple[str, list, str]:
     """(config, overrides, experiment_name) that recreate the run's config from its run.json."""
+    from storage.secrets import is_scrubbed_override
+
     source = doc.get("source") or {}
-    overrides = [o for o in source.get("overrides") or [] if not o.startswith("storage.root=")]
+    stored = source.get("overrides") or []
+    overrides = [o for o in stored if not o.startswith("storage.root=") and not is_scrubbed_override(o)]
     if root:
         overrides.append(f"storage.root={root}")
     else:
-        overrides += [o for o in source.get("overrides") or [] if o.startswith("storage.root=")]
+        overrides += [o for o in stored if o.startswith("storage.root=") and not is_scrubbed_override(o)]
     return source.get("config") or "tiny-cpu", overrides, doc.get("experiment")
 
 
@@ -164,6 +167,15 @@ def run_resume(args) -> int:
         print(f"error: {exc}")
         return 2
     doc = read_run_json(store, RunLayout(project, experiment))
+    from storage.secrets import is_scrubbed_override, scrub_override
+
     config, overrides, experiment = resume_arguments(doc, args.root)
-    print(f"resuming {project}/{experiment}: config {config}, overrides {overrides}")
+    dropped = [o.split("=", 1)[0] for o in (doc.get("source") or {}).get("overrides") or []
+               if is_scrubbed_override(o)]
+    if dropped:
+        print(f"note: {', '.join(dropped)} held credentials, which run.json does not keep: they come "
+              f"from the environment now (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...) "
+              f"or from --root")
+    shown = [scrub_override(o, store.secret_values) for o in overrides]
+    print(f"resuming {project}/{experiment}: config {config}, overrides {shown}")
     return _run_flow(config, overrides, experiment, args.force_lock)

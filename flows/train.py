@@ -17,6 +17,7 @@ from flows.step import (check_stage_deployments, is_retryable, logger, make_cont
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from flows.step_report import log_line, step_metrics, wait_published
 from stages.scratch import remove_orphans
+from storage.secrets import scrub_override
 from stages.session import RunSession
 from storage.artifacts import fingerprint, read_run_json, write_run_json
 from storage.layout import RunLayout
@@ -254,7 +255,8 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
                          retryable=is_retryable)
     try:
         check_run_json(store, layout, cfg, plan,
-                       {"config": config, "overrides": list(overrides or []),
+                       {"config": config, "overrides": [scrub_override(o, store.secret_values)
+                                                        for o in overrides or []],
                         "experiment_name": experiment_name})
         run_uri = register_run(cfg, plan, store, session)
         dataset = load_dataset(cfg, store)

@@ -87,7 +87,9 @@ def describe_error(exc: BaseException) -> str:
     """'Type: message (at file:line)' for the innermost frame of the exception."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    from storage.secrets import env_secret_values, scrub_text
+
+    return scrub_text(f"{type(exc).__name__}: {exc}{where}", env_secret_values())  # no AWS_* values
 
 
 def _failed(error: str) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 from storage import schemas
 from storage.faults import maybe_fault
 from storage.layout import (STAGE_FILES, STAGES, RunLayout, check_stage, parse_step, temp_key)
-from storage.secrets import scrub
+from storage.secrets import scrub, scrub_override
 from storage.store import Store
 
 MANIFEST_VERSION = 1
@@ -215,9 +215,13 @@ def run_status(store: Store, layout: RunLayout) -> dict:
 def write_run_json(store: Store, layout: RunLayout, config: dict, extra=None) -> dict:
     """Write run.json: the resolved config with secrets removed, its fingerprint, code version."""
     clean = scrub(config, store.secret_values)
+    extra = dict(extra or {})
+    if isinstance(extra.get("source"), dict) and extra["source"].get("overrides"):
+        extra["source"] = {**extra["source"], "overrides": [
+            scrub_override(o, store.secret_values) for o in extra["source"]["overrides"]]}
     doc = {"project": layout.project, "experiment": layout.experiment, "config": clean,
            "fingerprint": fingerprint(clean), "code_version": code_version(),
-           "written_at": time.time(), **(extra or {})}
+           "written_at": time.time(), **scrub(extra, store.secret_values)}
     store.write_json(layout.run_json, doc)
     return doc
 

@@ -59,6 +59,22 @@ def scrub_text(text: str, secret_values=()) -> str:
     return text
 
 
+def scrub_override(item: str, secret_values=()) -> str:
+    """A `key=value` override as it may be stored or shown: the value of a key whose name marks a
+    secret (storage.key, storage.secret, ...) becomes '***'; URL credentials and known secret
+    values are removed from the rest."""
+    key, sep, value = str(item).partition("=")
+    if sep and value and is_secret_name(key.lstrip("+~").rsplit(".", 1)[-1]):
+        return f"{key}={REDACTED}"
+    return scrub_text(str(item), list(secret_values) + env_secret_values())
+
+
+def is_scrubbed_override(item: str) -> bool:
+    """True for an override whose secret was removed (it cannot be replayed)."""
+    key, _, value = str(item).partition("=")
+    return value == REDACTED or f"://{REDACTED}@" in value
+
+
 def env_secret_values() -> list:
     """Secret values present in this process's environment (scrubbed wherever they appear)."""
     return [os.environ[n] for n in _ENV_SECRETS if os.environ.get(n)]

@@ -336,6 +336,39 @@ def test_secrets_removed(store, layout, storage_cfg):
     assert FAKE_SECRET not in repr(store) and FAKE_SECRET not in store.url("a")
 
 
+
+def test_overrides_in_run_json_and_resume_keep_no_secret(store, layout, monkeypatch):
+    """run.json's source overrides (what `stagerl resume` replays) hold no credential; resume drops
+    the scrubbed ones and takes credentials from the environment; a reward error quoting an
+    AWS_* value from the environment is scrubbed."""
+    from flows.cmd_train import resume_arguments
+    from stages.reward_fns import describe_error
+    from storage.secrets import is_scrubbed_override, scrub_override
+
+    overrides = [f"storage.key={FAKE_KEY}", "storage.secret=short", f"+trainer.hf_token={FAKE_TOKEN}",
+                 f"storage.root=s3://{FAKE_KEY}:{FAKE_SECRET}@{BUCKET}/x", "data.train_batch_size=8",
+                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"]
+    clean = [scrub_override(o) for o in overrides]
+    assert clean == ["storage.key=***", "storage.secret=***", "+trainer.hf_token=***",
+                     f"storage.root=s3://***@{BUCKET}/x", "data.train_batch_size=8",
+                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"]
+    artifacts.write_run_json(store, layout, {"trainer": {}},
+                             extra={"source": {"config": "tiny-cpu", "overrides": overrides}})
+    raw = store.read_bytes(layout.run_json).decode()
+    assert all(v not in raw for v in (FAKE_KEY, FAKE_SECRET, FAKE_TOKEN))  # also the unscrubbed list
+    doc = {"source": {"config": "tiny-cpu", "overrides": clean}, "experiment": "e"}
+    config, replay, name = resume_arguments(doc, None)
+    assert replay == ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"]
+    assert not any(is_scrubbed_override(o) for o in replay)
+    assert resume_arguments(doc, "s3://b/p")[1][-1] == "storage.root=s3://b/p"
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+    try:
+        raise RuntimeError(f"verifier refused key {FAKE_SECRET}")
+    except RuntimeError as exc:
+        message = describe_error(exc)
+    assert FAKE_SECRET not in message and "verifier refused key ***" in message
+
 def test_s3_root_with_embedded_credentials(s3_endpoint):
     store = Store.from_config({"root": f"s3://{FAKE_KEY}:{FAKE_SECRET}@{BUCKET}/embedded",
                                "endpoint_url": s3_endpoint})
