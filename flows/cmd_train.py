@@ -7,6 +7,7 @@ analytics off) that stops when the command ends and also when it is killed (flow
 PR_SET_PDEATHSIG), so training works offline and leaves no server behind."""
 import contextlib
 import importlib
+import json
 import os
 from pathlib import Path
 
@@ -101,6 +102,11 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
         print(f"error: {exc}")
         return 2
     prefect_env(cfg["storage"]["root"])
+    from storage.secrets import SECRET_OVERRIDES_ENV, split_secret_overrides
+
+    overrides, secret = split_secret_overrides(overrides)  # credentials stay out of Prefect's database
+    if secret:
+        os.environ[SECRET_OVERRIDES_ENV] = json.dumps(secret)  # read by flows.train.train
     with local_prefect_server():
         from flows.train import train
 

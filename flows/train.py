@@ -17,7 +17,7 @@ from flows.step import (check_stage_deployments, is_retryable, logger, make_cont
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from flows.step_report import log_line, step_metrics, wait_published
 from stages.scratch import remove_orphans
-from storage.secrets import scrub_override
+from storage.secrets import scrub_override, secret_overrides_from_env
 from stages.session import RunSession
 from storage.artifacts import fingerprint, read_run_json, write_run_json
 from storage.layout import RunLayout
@@ -238,6 +238,7 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
     """Train (or resume) one experiment: steps over epochs, each a `rl-step` subflow
     (flows.step.run_step_subflow), or with orchestration.step_subflow=false its stage tasks
     directly in this flow run."""
+    overrides = list(overrides or []) + secret_overrides_from_env()  # `stagerl train` credentials
     cfg, plan = resolve(config, overrides, experiment_name)
     for folder in remove_orphans():  # scratch folders of killed runs on this host (stages.scratch)
         print(f"removed {folder}: left by a process that is gone", flush=True)

@@ -69,6 +69,26 @@ def scrub_override(item: str, secret_values=()) -> str:
     return scrub_text(str(item), list(secret_values) + env_secret_values())
 
 
+SECRET_OVERRIDES_ENV = "STAGERL_SECRET_OVERRIDES"
+
+
+def split_secret_overrides(overrides) -> tuple[list, list]:
+    """(public, secret) overrides: a secret one (a credential key, or a URL with credentials) is
+    handed to the training flow through this process's environment (SECRET_OVERRIDES_ENV), never
+    as a flow parameter, which Prefect stores in its database."""
+    public, secret = [], []
+    for item in overrides or []:
+        (secret if scrub_override(item) != item else public).append(item)
+    return public, secret
+
+
+def secret_overrides_from_env() -> list:
+    import json
+
+    text = os.environ.get(SECRET_OVERRIDES_ENV)
+    return list(json.loads(text)) if text else []
+
+
 def is_scrubbed_override(item: str) -> bool:
     """True for an override whose secret was removed (it cannot be replayed)."""
     key, _, value = str(item).partition("=")

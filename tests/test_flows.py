@@ -278,15 +278,26 @@ def test_sigkill_inside_each_stage_then_resume_equals_uninterrupted(server, asse
 
 def test_each_step_as_its_own_subflow(server, assets, tmp_path, reference_checksum):
     """orchestration.step_subflow=true: every step is an rl-step subflow of rl-train (the default
-    runs the stage tasks in the rl-train flow run itself), and the weights equal the default's."""
+    runs the stage tasks in the rl-train flow run itself), and the weights equal the default's.
+    Credentials given as overrides reach no object in the store, no byte of Prefect's database
+    and no console line; `stagerl resume` says where they come from instead."""
     root = tmp_path / "runs"
+    key, secret = "AKIAFAKEKEY7Q3Z9XW2M", "fakeSecret+9vQx/Zr7TtPpLmNnBbVvCcXx"
     run = stagerl(server, ["train", "--experiment", "f", *tiny_overrides(assets, root),
-                           "orchestration.step_subflow=true"])
+                           "orchestration.step_subflow=true", f"storage.key={key}", f"storage.secret={secret}"])
     assert run.returncode == 0, run.stdout[-4000:]
     assert "Beginning subflow run 'step-2'" in run.stdout
     assert all(f"Task run '{s}-step-2'" in run.stdout for s in STAGES)
     store = Store.from_config({"root": str(root)})
     assert folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"] == reference_checksum
+    resumed = stagerl(server, ["resume", "f", "--root", str(root)])
+    assert resumed.returncode == 0 and "storage.key, storage.secret held credentials" in resumed.stdout
+    files = [p for p in [*root.rglob("*"), *server.home.rglob("*")] if p.is_file()]
+    assert any(b"orchestration.step_subflow=true" in p.read_bytes() for p in files if server.home in p.parents)
+    for path in files:  # the flow's parameters are in the server's database: the public ones only
+        data = path.read_bytes()
+        assert key.encode() not in data and secret.encode() not in data, path
+    assert key not in run.stdout + resumed.stdout and secret not in run.stdout + resumed.stdout
 
 
 # ---- multi-pool mode and the retry policy (toy stages) -------------------------------------
