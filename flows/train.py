@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 
 from prefect import flow
@@ -317,7 +318,20 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
             unregister_session(run_uri)
         session.close()
         sinks.close()
+        release_lock(lock, failing=sys.exc_info()[0] is not None)
+
+
+def release_lock(lock: ExperimentLock, failing: bool) -> None:
+    """Release the run's lock. When that fails too while the run is `failing` (the store is
+    down), say so in one line and let the run's own error (the stage that failed) be reported
+    last; a lock left behind is taken over once stale or when its process is gone."""
+    try:
         lock.release()
+    except Exception as exc:  # noqa: BLE001 - the run's own error is already on its way
+        if not failing:
+            raise
+        logger().warning(f"could not release the experiment lock ({type(exc).__name__}: {exc}); "
+                         f"it is taken over once stale (storage.lock_stale_seconds) or its process is gone")
 
 
 def freeze_heap() -> None:

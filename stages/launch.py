@@ -130,8 +130,10 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         if rc != 0 or errors:
             detail = "".join(f"--- {e.stem.replace('_', ' ')} ---\n{e.read_text()[-STDERR_TAIL:]}\n"
                              for e in errors)
-            raise RuntimeError(f"{module} failed on {world} ranks ({launcher}, exit code {rc}).\n{detail}"
-                               f"--- stderr tail ---\n{_tail(err_f)}")
+            from stages.rank_pool import job_error  # a storage error stays retryable
+
+            raise job_error(f"{module} failed on {world} ranks ({launcher}, exit code {rc}).\n{detail}"
+                            f"--- stderr tail ---\n{_tail(err_f)}", [e.read_text() for e in errors])
         results_file = tmp / RESULTS_FILE
         if not results_file.exists():
             raise RuntimeError(f"{module}: the ranks exited without {RESULTS_FILE}; stderr tail:\n{_tail(err_f)}")

@@ -35,8 +35,33 @@ import time
 from pathlib import Path
 
 from stages.scratch import scratch_dir
+from storage.store import StoreError
 
 POOL_ENV = "STAGERL_RANK_POOL"
+# The last line of a rank's traceback names the exception: these are storage I/O (an S3 outage),
+# retried by the training flow as if raised in its own process; these others never are.
+STORAGE_ERRORS = ("storage.store.StoreError", "ConnectionError", "ConnectionResetError",
+                  "ConnectionRefusedError", "ConnectionAbortedError", "TimeoutError",
+                  "botocore.exceptions.EndpointConnectionError", "botocore.exceptions.ConnectTimeoutError",
+                  "botocore.exceptions.ReadTimeoutError", "aiohttp.client_exceptions.ClientConnectorError")
+NEVER_RETRIED = ("ValueError", "KeyError", "TypeError", "MemoryError", "torch.OutOfMemoryError")
+
+
+class RankStorageError(StoreError):
+    """A job failed on its ranks with a storage error: retryable like a StoreError raised here."""
+
+
+def job_error(message: str, error_texts: list[str]) -> RuntimeError:
+    """The exception for a failed job: RankStorageError when a rank failed on storage I/O and no
+    rank on bad input or memory (the others then only lost their peer), else RuntimeError."""
+    names = []
+    for text in error_texts:
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        if lines:
+            names.append(lines[-1].split(":", 1)[0].strip())
+    storage = any(n in STORAGE_ERRORS for n in names) and not any(n in NEVER_RETRIED for n in names)
+    return (RankStorageError if storage else RuntimeError)(message)
+
 ERROR_TAIL = 4000
 _ACTIVE: "RankPool | None" = None
 
@@ -245,7 +270,8 @@ class RankPool:
                                    f"--- pool stderr tail ---\n{self._stderr_tail()}")
             time.sleep(0.005)
         if any(e.exists() for e in errors):
-            raise RuntimeError(f"{module} failed on the rank pool ({self.world} ranks).\n{self._error_detail(errors)}")
+            raise job_error(f"{module} failed on the rank pool ({self.world} ranks).\n{self._error_detail(errors)}",
+                            [e.read_text() for e in errors if e.exists()])
         return [json.loads(res.read_text()) for res in results]
 
     def _error_detail(self, errors) -> str:

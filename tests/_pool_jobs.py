@@ -6,4 +6,7 @@ def rank_main(ctx, rank, world):
     """Echo: which process ran which rank, and the context it got."""
     if ctx.get("fail_on_rank") == rank:
         raise ValueError(f"boom on rank {rank}: {ctx['message']}")
+    if ctx.get("store_outage_on_rank") == rank:
+        from storage.store import StoreError
+        raise StoreError(f"s3://bucket/x: connection refused on rank {rank}")
     return {"rank": rank, "world": world, "pid": os.getpid(), "ctx": ctx}

@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 from _pool_steps import run_steps
 from stages.rank_pool import RankPool, activate, active_pool, deactivate
 from stages.tiny_model import save_tiny_model
+from flows.step import is_retryable
 from storage.artifacts import read_file, read_table
+from storage.store import StoreError
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
 
@@ -44,6 +46,11 @@ def test_jobs_failure_dead_rank_restart_and_close(tmp_path):
         text = str(err.value)
         assert "error rank 1" in text and "ValueError: boom on rank 1: bad row 7" in text
         assert "Traceback" in text and "error rank 0" not in text
+        assert not is_retryable(err.value)  # bad input is not retried
+        # a storage error on a rank: raised here as a StoreError, which the flow's policy retries
+        with pytest.raises(StoreError) as err:
+            pool.submit("tests._pool_jobs", {"message": "outage", "store_outage_on_rank": 0})
+        assert "connection refused on rank 0" in str(err.value) and is_retryable(err.value)
         again = pool.submit("tests._pool_jobs", {"message": "after"})
         assert [r["pid"] for r in again] == pids and pool.starts == 1
         assert not list((tmp_path / "pool").glob("result_*")) and not list((tmp_path / "pool").glob("job_*"))

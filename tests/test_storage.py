@@ -289,6 +289,7 @@ def test_damaged_weights_cache_is_detected_and_downloaded_again(store, layout, t
     assert load_weights(store, layout, 1) == again and hashed == []  # sealed again with stats
     assert capsys.readouterr().out == ""
 
+
 # ---- lock --------------------------------------------------------------------------------
 def test_lock(storage_cfg, layout):
     store = Store.from_config(storage_cfg)
@@ -306,6 +307,25 @@ def test_lock(storage_cfg, layout):
         stale_taker = ExperimentLock(quick, layout).acquire()  # stale: taken over
         stale_taker.release()
 
+
+
+def test_a_failing_lock_release_does_not_hide_the_runs_own_error(tmp_path, capfd):
+    """flows.train.release_lock: while the run fails (its stage's error on its way), a lock that
+    cannot be released (the store is down) is a warning, so the stage's error is reported last;
+    on a run that did not fail it raises."""
+    from flows.train import release_lock
+
+    store = Store.from_config({"root": str(tmp_path / "store")})
+    lock = ExperimentLock(store, RunLayout("p", "e")).acquire()
+    record = Path(store.path(lock.key))
+    record.unlink()
+    record.mkdir()  # the lock record can no longer be read
+    with pytest.raises(Exception):
+        release_lock(lock, failing=False)
+    capfd.readouterr()
+    release_lock(lock, failing=True)
+    out, err = capfd.readouterr()
+    assert "could not release the experiment lock (StoreError" in out + err
 
 # ---- hygiene -----------------------------------------------------------------------------
 def test_secrets_removed(store, layout, storage_cfg):
