@@ -17,7 +17,7 @@ from prefect import flow
 from flows.step import (check_stage_deployments, is_retryable, logger, make_context, register_run, rl_step,
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from flows.step_report import log_line, step_metrics, wait_published
-from stages.scratch import remove_orphans
+from stages.scratch import process_alive, remove_orphans
 from storage.secrets import scrub_override, secret_overrides_from_env
 from stages.session import RunSession
 from storage.artifacts import fingerprint, read_run_json, write_run_json
@@ -108,15 +108,8 @@ def acquire_lock(store: Store, layout: RunLayout, force: bool) -> ExperimentLock
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # a lock record with our pid is from an earlier run in a reused process
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    # a lock record with our own pid is from an earlier run in a reused process
+    return pid != os.getpid() and process_alive(pid)
 
 
 # ---- schedule -------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ def scratch_dir(kind: str, tag: str = "") -> Path:
     return Path(tempfile.mkdtemp(prefix=scratch_prefix(kind, tag)))
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """True while a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -50,7 +51,7 @@ def remove_orphans(tmp_dir=None) -> list[Path]:
     for entry in entries:
         match = _NAME.match(entry.name)
         if (match is None or match["kind"] not in KINDS or match["host"] != host
-                or _alive(int(match["pid"])) or not entry.is_dir()):
+                or process_alive(int(match["pid"])) or not entry.is_dir()):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
