@@ -227,6 +227,9 @@ def check_stage_deployments(cfg: dict) -> dict:
 @flow(name="rl-stage", flow_run_name="{stage}-step-{step}")
 def stage_flow(stage: str, run_uri: str, step: int, extra: dict | None = None) -> dict:
     """One stage as its own flow run: what the rl-stage/* deployments run on their work pools."""
+    from stages.launch import forget_inherited_rank_env
+
+    forget_inherited_rank_env()
     cfg, _, _ = open_run(run_uri)
     return task_result(stage_task.with_options(**retry_options(cfg))(stage, run_uri, step, extra,
                                                                   return_state=True))

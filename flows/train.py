@@ -17,6 +17,7 @@ from prefect import flow
 from flows.step import (check_stage_deployments, is_retryable, logger, make_context, register_run, rl_step,
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from flows.step_report import log_line, step_metrics, wait_published
+from stages.launch import forget_inherited_rank_env
 from stages.scratch import process_alive, remove_orphans
 from storage.secrets import scrub_override, secret_overrides_from_env
 from stages.session import RunSession
@@ -232,6 +233,7 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
     """Train (or resume) one experiment: steps over epochs, each a `rl-step` subflow
     (flows.step.run_step_subflow), or with orchestration.step_subflow=false its stage tasks
     directly in this flow run."""
+    forget_inherited_rank_env()
     overrides = list(overrides or []) + secret_overrides_from_env()  # `stagerl train` credentials
     cfg, plan = resolve(config, overrides, experiment_name)
     for folder in remove_orphans():  # scratch folders of killed runs on this host (stages.scratch)
@@ -314,17 +316,20 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
         release_lock(lock, failing=sys.exc_info()[0] is not None)
 
 
-def release_lock(lock: ExperimentLock, failing: bool) -> None:
+def release_lock(lock: ExperimentLock, failing: bool) -> str | None:
     """Release the run's lock. When that fails too while the run is `failing` (the store is
     down), say so in one line and let the run's own error (the stage that failed) be reported
     last; a lock left behind is taken over once stale or when its process is gone."""
     try:
         lock.release()
+        return None
     except Exception as exc:  # noqa: BLE001 - the run's own error is already on its way
         if not failing:
             raise
-        logger().warning(f"could not release the experiment lock ({type(exc).__name__}: {exc}); "
-                         f"it is taken over once stale (storage.lock_stale_seconds) or its process is gone")
+        warning = (f"could not release the experiment lock ({type(exc).__name__}: {exc}); it is "
+                   f"taken over once stale (storage.lock_stale_seconds) or its process is gone")
+        logger().warning(warning)
+        return warning
 
 
 def freeze_heap() -> None:

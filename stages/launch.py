@@ -216,6 +216,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def forget_inherited_rank_env() -> None:
+    """A training flow or stage flow is never a rank: drop rank settings inherited from a parent
+    process (one that trained a world-1 update in-process keeps its group's port bound, so reusing
+    MASTER_PORT fails with EADDRINUSE). Ranks get theirs from the launcher or the rank pool."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        for name in RANK_ENV:
+            os.environ.pop(name, None)
+
+
 def init_distributed(device: str = "cpu"):
     """Initialise torch.distributed for this rank (gloo on CPU, nccl on CUDA), once. Inside a
     torchrun/deepspeed launch the env (RANK, WORLD_SIZE, MASTER_*) is already set; in-process

@@ -309,7 +309,7 @@ def test_lock(storage_cfg, layout):
 
 
 
-def test_a_failing_lock_release_does_not_hide_the_runs_own_error(tmp_path, capfd):
+def test_a_failing_lock_release_does_not_hide_the_runs_own_error(tmp_path):
     """flows.train.release_lock: while the run fails (its stage's error on its way), a lock that
     cannot be released (the store is down) is a warning, so the stage's error is reported last;
     on a run that did not fail it raises."""
@@ -322,10 +322,8 @@ def test_a_failing_lock_release_does_not_hide_the_runs_own_error(tmp_path, capfd
     record.mkdir()  # the lock record can no longer be read
     with pytest.raises(Exception):
         release_lock(lock, failing=False)
-    capfd.readouterr()
-    release_lock(lock, failing=True)
-    out, err = capfd.readouterr()
-    assert "could not release the experiment lock (StoreError" in out + err
+    warning = release_lock(lock, failing=True)  # logged as a warning, not raised
+    assert warning.startswith("could not release the experiment lock (StoreError")
 
 # ---- hygiene -----------------------------------------------------------------------------
 def test_secrets_removed(store, layout, storage_cfg):
