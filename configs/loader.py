@@ -300,7 +300,7 @@ def with_override(cfg: Config, path: str, value: Any) -> Config:
 
 
 def _verl_notices(tree: dict, warnings: list[str]) -> None:
-    """verl's own driver-side notices (reference §1.2 items 4 and 6, §4.5)."""
+    """verl's own driver-side notices (verl/trainer/main_ppo.py and ray_trainer.py's config checks)."""
     actor = tree["actor_rollout_ref"]["actor"]
     if tree["algorithm"]["use_kl_in_reward"] and actor["use_kl_loss"]:
         warnings.append("NOTICE: You have both enabled in-reward kl and kl loss.")

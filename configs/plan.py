@@ -46,7 +46,7 @@ def _fmt(value: Any) -> str:
 
 
 def uses_critic(cfg: dict) -> bool:
-    """verl: critic.enable when set, else only for GAE (reference §2, Setup)."""
+    """verl: critic.enable when set, else only for GAE (verl/trainer/ppo/ray_trainer.py)."""
     enable = get_path(cfg, "critic.enable")
     return bool(enable) if enable is not None else get_path(cfg, "algorithm.adv_estimator") == "gae"
 
@@ -110,7 +110,7 @@ def _check_sp(cfg, what: str, sp_key: str, padding_key: str, world: int) -> int:
 
 
 def _train_role(cfg, role: str, prefix: str, world: int, seq_len: int) -> dict:
-    """Actor or critic: the normalisation of fsdp_workers.py (reference §1.3), then stricter checks."""
+    """Actor or critic: the normalisation of fsdp_workers.py (verl/workers/fsdp_workers.py), then stricter checks."""
     tbs, n = get_path(cfg, TBS), get_path(cfg, N)
     model = "actor_rollout_ref.model" if role == "actor" else "critic.model"
     sp = _check_sp(cfg, "critic" if role == "critic" else "actor/ref policy",
@@ -175,7 +175,7 @@ def _train_role(cfg, role: str, prefix: str, world: int, seq_len: int) -> dict:
 
 def _log_prob_role(cfg, role: str, prefix: str, dp: int, sp: int, rows_per_rank: int,
                    seq_len: int, check_micro: bool) -> dict:
-    """Old/ref log-prob (or critic values) forward passes per rank (reference §1.3, §1.5)."""
+    """Old/ref log-prob (or critic values) forward passes per rank (verl/workers/fsdp_workers.py)."""
     old_key, key = f"{prefix}.log_prob_micro_batch_size", f"{prefix}.log_prob_micro_batch_size_per_gpu"
     dynamic = get_path(cfg, f"{prefix}.log_prob_use_dynamic_bsz")
     if check_micro:  # verl gates this on the *actor's* use_dynamic_bsz

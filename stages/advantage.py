@@ -1,4 +1,4 @@
-"""advantage stage: token rewards, KL in reward, advantages and returns (reference §2 step 10, §4).
+"""advantage stage: token rewards, KL in reward, advantages and returns (verl: RayPPOTrainer.fit, compute_advantage in verl/trainer/ppo/ray_trainer.py).
 
 1. token_level_scores: each row's reward score at its last valid response token (index
    response_length - 1), zeros elsewhere (verl's naive reward manager). An empty response has no

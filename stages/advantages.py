@@ -1,6 +1,6 @@
 """Advantage estimators as pure functions, registered by verl's `algorithm.adv_estimator` names.
 
-Calling convention is verl's (`verl/trainer/ppo/core_algos.py`, reference §4.1-§4.4): padded
+Calling convention is verl's (`verl/trainer/ppo/core_algos.py`): padded
 (bs, T) tensors, `response_mask` 1 on valid response tokens, `index` = the uid of each row (rows of
 one prompt share it). Every estimator returns `(advantages, returns)`, both (bs, T) and zero on
 padding. Outcome estimators use s_i = sum_t token_level_rewards[i, t].

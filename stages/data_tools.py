@@ -1,4 +1,4 @@
-"""Datasets in verl's RL parquet schema, built without a hub (reference §5.1).
+"""Datasets in verl's RL parquet schema, built without a hub (verl: examples/data_preprocess/gsm8k.py).
 
 Every row has: data_source (str), prompt (list of {role, content}), ability (str),
 reward_model {style: "rule", ground_truth: str}, extra_info {split, index, question, answer}.
@@ -177,7 +177,7 @@ def gsm8k_ground_truth(answer: str, row: int | None = None) -> str:
 
 
 def gsm8k_rows(records: list[dict], split: str = "train") -> list[dict]:
-    """GSM8K records ({question, answer}) -> verl's preprocessed rows (reference §5.1)."""
+    """GSM8K records ({question, answer}) -> verl's preprocessed rows (verl: examples/data_preprocess/gsm8k.py)."""
     rows = []
     for index, record in enumerate(records):
         for key in ("question", "answer"):

@@ -1,4 +1,4 @@
-"""The RL prompt dataset, with verl's `data.*` keys (reference §2 setup, §5.1).
+"""The RL prompt dataset, with verl's `data.*` keys (verl: verl/utils/dataset/rl_dataset.py).
 
 Reads parquet file(s) in verl's RL schema, applies the tokenizer's chat template
 (add_generation_prompt=True), then:

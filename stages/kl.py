@@ -1,4 +1,5 @@
-"""KL estimators, KL-in-reward and KL coefficient controllers (reference §2 step 10, §4.7).
+"""KL estimators, KL-in-reward and KL coefficient controllers (verl: kl_penalty, FixedKLController and AdaptiveKLController
+in verl/trainer/ppo/core_algos.py; apply_kl_penalty in verl/trainer/ppo/ray_trainer.py).
 
 `kl_penalty(logp, ref_logp, kind)` is used both for KL in reward (`algorithm.kl_penalty`, with the
 old log-probs) and for the actor's KL loss (`actor.kl_loss_type`, with the current log-probs).

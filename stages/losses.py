@@ -1,4 +1,4 @@
-"""PPO losses as pure functions (reference §4.5, §4.6, §4.8, §4.9; verl `core_algos.py`).
+"""PPO losses as pure functions (verl `verl/trainer/ppo/core_algos.py`).
 
 Normalisers. verl's legacy workers aggregate each micro-batch with its *local* token/row counts and
 scale by rows_in_micro/rows_in_mini (§3.4), which for token-mean is not the mini-batch's token mean.

@@ -1,5 +1,5 @@
-"""Step data metrics with verl's names (`verl/trainer/ppo/metric_utils.py::compute_data_metrics`,
-reference §2 "Main metric names") and `reduce_metrics` (`verl/utils/metric/utils.py`)."""
+"""Step data metrics with verl's names (`verl/trainer/ppo/metric_utils.py::compute_data_metrics`)
+and `reduce_metrics` (`verl/utils/metric/utils.py`)."""
 from __future__ import annotations
 
 from typing import Any, Mapping

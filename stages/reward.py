@@ -1,4 +1,4 @@
-"""reward stage: score every rollout row (reference §2 step 6, §5.2).
+"""reward stage: score every rollout row (verl: the reward manager, verl/workers/reward_manager/naive.py).
 
 Each row is routed by its `data.reward_fn_key` column (default data_source) to the built-in rule
 scorers (stages.scorers) or scored by the user's `custom_reward_function.path/.name`, in worker

@@ -1,4 +1,4 @@
-"""rollout stage: sample n responses per prompt of the step's batch (reference §2 step 3).
+"""rollout stage: sample n responses per prompt of the step's batch (verl: RayPPOTrainer.fit's generate_sequences, verl/trainer/ppo/ray_trainer.py).
 
 Step k draws batch k-1 of the training set (stages.dataset.RLDataset with the config's `data`
 section; data.seed, else trainer.seed, shuffles) and samples from the policy of step k-1

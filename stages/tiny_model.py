@@ -1,6 +1,6 @@
 """A tiny Qwen2-style causal LM and its tokenizer, built entirely in-process (no hub).
 
-Used by tests and the CPU demo (DESIGN.md, "Models"). The tokenizer is a byte-level BPE trained
+Used by tests and the CPU demo (docs/architecture.md). The tokenizer is a byte-level BPE trained
 with the `tokenizers` library on a corpus generated here (arithmetic questions and answers, the
 GSM8K instruction, simple English), using exactly Qwen2's normaliser (NFC), pre-tokeniser (Qwen2's
 Split regex + ByteLevel) and ByteLevel decoder: transformers 5 rebuilds a Qwen2Tokenizer's pipeline

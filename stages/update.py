@@ -1,5 +1,5 @@
 """update stage: PPO actor (+ critic) training on the step's rows as a DeepSpeed ZeRO job over the
-plan's world (reference §1.5, §3.4-§3.5, §4.5-§4.9). The ranks (stages.update_worker) train; this
+plan's world (verl: dp_actor.py/dp_critic.py update_policy/update_critic, core_algos.py losses). The ranks (stages.update_worker) train; this
 process prepares their inputs and commits what they wrote:
 
   train_state/step_{k:06d}/actor, .../critic   DeepSpeed checkpoint (module, optimizer partitions,

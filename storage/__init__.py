@@ -1,7 +1,7 @@
 """Runs in object storage: a local folder by default, S3/MinIO via s3fs.
 
 store      Store: one API (bytes, JSON, parquet, list, exists, delete, copy) over fsspec
-layout     RunLayout: the only place that spells out keys (DESIGN.md's run layout)
+layout     RunLayout: the only place that spells out keys (docs/architecture.md)
 artifacts  atomic stage writes committed by a manifest; verified reads; fingerprint()
 schemas    the pyarrow schema of every stage artifact
 weights    HF folders to/from the store with a local cache keyed by checksum

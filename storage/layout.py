@@ -1,4 +1,4 @@
-"""The run layout in the store (DESIGN.md). The only module that spells out keys.
+"""The run layout in the store (docs/architecture.md). The only module that spells out keys.
 
     {project}/{experiment}/run.json
     {project}/{experiment}/steps/{step:06d}/{stage}.parquet

@@ -1,6 +1,6 @@
 """Advantage estimators, KL in reward, KL controllers and data metrics against hand-computed numbers.
 
-Expected values are written as literal arithmetic (verl formulas, reference §4.1-§4.4, §4.7), never
+Expected values are written as literal arithmetic (verl formulas, verl/trainer/ppo/core_algos.py), never
 by calling the function under test.
 """
 import json

@@ -1,5 +1,5 @@
 """PPO policy loss, value loss, agg_loss modes and global normalisers, entropy: hand-computed numbers
-(reference §3.4, §3.5, §4.5, §4.6, §4.8, §4.9)."""
+(verl/trainer/ppo/core_algos.py, verl/workers/actor/dp_actor.py)."""
 import math
 
 import pytest

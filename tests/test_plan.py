@@ -1,4 +1,4 @@
-"""The batch plan against numbers worked out by hand from verl's rules (reference §1), for the
+"""The batch plan against numbers worked out by hand from verl's rules (verl/workers/fsdp_workers.py, ray_trainer.py), for the
 reference's worked examples, verl's own example scripts, and the user command lines (seeds A-C)."""
 import json
 
@@ -82,7 +82,7 @@ CASES = [
           grad_accum_steps=30, num_mini_batches=1, optimizer_steps_per_step=1, on_policy=True),
      dict(num_replicas=3, prompts_per_replica=20, rows_per_replica=240, log_prob_micro_batch_size_per_gpu=8,
           log_prob_micro_batches_per_rank=15), 2, None),
-    # verl checks the unnormalised mini (60 prompts) % global micro, so 24 (reference §1.6) is refused; 12 -> 2
+    # verl checks the unnormalised mini (60 prompts) % global micro, so 24 is refused; 12 -> 2
     ("A with deprecated globals (12 -> 2, 8 -> 1)", None,
      EXAMPLE_A[:4] + [f"{A}ppo_micro_batch_size=12", f"{R}log_prob_micro_batch_size=8",
                       f"{R}log_prob_micro_batch_size_per_gpu=null", f"{A}ppo_micro_batch_size_per_gpu=null",
