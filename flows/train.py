@@ -152,8 +152,14 @@ def weights_to_delete(steps: list[int], latest: int, save_freq: int, keep: int |
 
 
 def prune_weights(store: Store, layout: RunLayout, latest: int, cfg: dict) -> list[int]:
+    """Delete the weights folders weights_to_delete names, counting step `latest` as done only
+    once its update manifest is written: while the update still commits in the background, a kill
+    leaves step `latest` to run again from the step before it, whose weights must still be there."""
+    from storage.artifacts import read_manifest
     from storage.weights import list_weights
 
+    if read_manifest(store, layout, latest, "update") is None:
+        latest -= 1
     trainer = cfg["trainer"]
     doomed = weights_to_delete(list_weights(store, layout), latest, int(trainer["save_freq"]),
                                trainer.get("max_actor_ckpt_to_keep"))

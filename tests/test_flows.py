@@ -16,14 +16,14 @@ import pytest
 
 from _prefect_server import PrefectServer
 from _s3_server import MotoServer
-from flows.train import changed_keys, check_run_json, weights_to_delete, RunConfigChanged
+from flows.train import changed_keys, check_run_json, prune_weights, weights_to_delete, RunConfigChanged
 from flows.step import is_retryable
 from flows.step_report import log_line
 from storage.faults import FaultSpecError, parse
 from storage.artifacts import read_manifest, read_table
 from storage.layout import STAGES, RunLayout
 from storage.store import Store, StoreError
-from storage.weights import folder_manifest, list_weights, load_weights
+from storage.weights import folder_manifest, list_weights, load_weights, save_folder
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -39,6 +39,21 @@ def test_weights_kept_per_save_freq_and_max_to_keep():
     assert weights_to_delete([4], 4, -1, 1) == []
     assert weights_to_delete([0, 1, 2], 2, -1, 1) == [1]  # the warm start (reference) stays
     assert weights_to_delete([1, 2], 3, -1, None) == [1]  # step 3 still committing: 2 is kept
+
+
+def test_weights_of_a_step_still_committing_are_not_counted(tmp_path):
+    """prune_weights after step 2 while its update still commits in the background (weights/
+    step_000002 complete, the update manifest not yet): step 1's weights stay, since a kill now
+    reruns step 2 from them; once the manifest is there, step 1's go."""
+    store, layout = Store.from_config({"root": str(tmp_path / "runs")}), RunLayout(PROJECT, "p")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "model.bin").write_bytes(b"weights")
+    for k in (1, 2):
+        save_folder(store, tmp_path / "w", layout.weights(k))
+    cfg = {"trainer": {"save_freq": -1, "max_actor_ckpt_to_keep": None}}
+    assert prune_weights(store, layout, 2, cfg) == [] and list_weights(store, layout) == [1, 2]
+    store.write_json(layout.manifest(2, "update"), {"stage": "update"})
+    assert prune_weights(store, layout, 2, cfg) == [1] and list_weights(store, layout) == [2]
 
 
 def test_retry_policy_retries_storage_errors_only():
