@@ -46,11 +46,13 @@ def prefect_env(storage_root: str | None) -> None:
 
 
 @contextlib.contextmanager
-def local_prefect_server():
+def local_prefect_server(next_step: str = "stagerl resume EXPERIMENT"):
     """Without PREFECT_API_URL: a `prefect server start` child in PREFECT_HOME (see prefect_env)
     that dies with this process, as PREFECT_API_URL while the block runs. Its URL is set before
     prefect is imported (Prefect reads its settings at import), and the flow modules (torch,
-    transformers) are imported while the server starts."""
+    transformers) are imported while the server starts. Should the server die during the block,
+    the run is stopped within seconds with a message naming it and `next_step`
+    (LocalServer.watch)."""
     if os.environ.get("PREFECT_API_URL"):
         yield None
         return
@@ -67,11 +69,14 @@ def local_prefect_server():
             print(f"Prefect: local server {server.api_url} up in {server.started_s:.1f}s "
                   f"(home {os.environ['PREFECT_HOME']}; set PREFECT_API_URL to use another)",
                   flush=True)
+            server.watch(next_step)
             with temporary_settings({PREFECT_API_URL: server.api_url}):  # if prefect was imported
                 try:
                     yield server
                 finally:
-                    drain_prefect_senders()
+                    if server.died is None:  # else nothing can take what they hold
+                        drain_prefect_senders()
+                    server.unwatch()
         finally:
             os.environ.pop("PREFECT_API_URL", None)
 
@@ -107,11 +112,18 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
     overrides, secret = split_secret_overrides(overrides)  # credentials stay out of Prefect's database
     if secret:
         os.environ[SECRET_OVERRIDES_ENV] = json.dumps(secret)  # read by flows.train.train
-    with local_prefect_server():
+    with local_prefect_server(resume_command(cfg)) as server:
         from flows.train import train
 
-        state = train(config=config, overrides=list(overrides), experiment_name=experiment,
-                      force_lock=force_lock, return_state=True)
+        try:
+            state = train(config=config, overrides=list(overrides), experiment_name=experiment,
+                          force_lock=force_lock, return_state=True)
+        except KeyboardInterrupt:
+            if server is None or server.died is None:
+                raise
+            return 1  # the watch printed why, and what to run next
+        if server is not None and server.died is not None:
+            return 1
         if not state.is_completed():
             try:
                 state.result()
@@ -119,6 +131,17 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
                 print(f"error: training failed: {type(exc).__name__}: {exc}")
             return 1
         return 0
+
+
+def resume_command(cfg: dict) -> str:
+    """The command that continues this run (credentials in the store URL left out)."""
+    import shlex
+
+    from storage.secrets import scrub_text
+
+    trainer = cfg["trainer"]
+    name = f"{trainer['project_name']}/{trainer['experiment_name']}"
+    return f"stagerl resume {shlex.quote(name)} --root {shlex.quote(scrub_text(str(cfg['storage']['root'])))}"
 
 
 def run_train(args) -> int:

@@ -8,10 +8,15 @@ starts `prefect server start --host 127.0.0.1 --port <free>` as a child in its o
 a record `$PREFECT_HOME/stagerl-server-<parent pid>.json` ({"pid", "port", "api_url", "parent"})
 and its output in `.log` beside it (both removed on a clean stop, or by the next start once the
 parent is dead). PR_SET_PDEATHSIG fires when the parent *thread* exits: call it from the main
-thread."""
+thread.
+
+If the server dies while the run goes on (killed, out of memory), `LocalServer.watch` stops the
+run within seconds, naming the server, its exit code and its log, and saying how to continue
+(every completed stage is in the store; a stopped run is like a SIGKILLed one)."""
 from __future__ import annotations
 
 import contextlib
+import _thread
 import ctypes
 import json
 import os
@@ -84,6 +89,42 @@ class LocalServer:
         self.api_url = f"http://127.0.0.1:{port}/api"
         self.started_s: float | None = None
 
+    died: str | None = None  # the message printed when the server died while watched
+
+    def watch(self, next_step: str, grace_s: float = 10.0, poll_s: float = 0.5) -> None:
+        """Check the server every `poll_s` in a daemon thread until `unwatch()`. When it has
+        exited: print why the run stops and `next_step`, interrupt the main thread
+        (KeyboardInterrupt), and if the process is still alive `grace_s` later, end it
+        (os._exit(1)): Prefect's clients would otherwise retry against the closed port for
+        minutes."""
+        self._watching = threading.Event()
+
+        def run() -> None:
+            while not self._watching.wait(poll_s):
+                code = self.proc.poll()
+                if code is None:
+                    continue
+                self.died = (f"error: the local Prefect server (pid {self.proc.pid}, {self.api_url}) "
+                             f"exited with code {code} during the run (its log: {self.log}); the "
+                             f"run stops. Every completed stage is in the store: continue with "
+                             f"`{next_step}`")
+                print(self.died, flush=True)
+                _thread.interrupt_main()
+                if not self._watching.wait(grace_s):
+                    print(f"error: the run did not stop within {grace_s:.0f}s of the Prefect "
+                          f"server's exit: ending the process", flush=True)
+                    sys.stdout.flush()
+                    os._exit(1)
+                return
+
+        threading.Thread(target=run, name="prefect-server-watch", daemon=True).start()
+
+    def unwatch(self) -> None:
+        """Stop watching (before the server is stopped on purpose, or once the run has stopped)."""
+        watching = getattr(self, "_watching", None)
+        if watching is not None:
+            watching.set()
+
     def wait_healthy(self, timeout: float = 120.0) -> "LocalServer":
         """Block until /api/health answers (counted from the start); raises if it exits first."""
         t0 = self.t0
@@ -136,6 +177,7 @@ def local_server(home: str | os.PathLike):
                                       "parent": os.getpid()}))
         yield server
     finally:
+        server.unwatch()
         _stop(proc)
         record.unlink(missing_ok=True)
         if proc.returncode in (0, -signal.SIGTERM):  # a clean stop: its log is not needed

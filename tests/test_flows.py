@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,46 @@ def test_sigkill_inside_each_stage_then_resume_equals_uninterrupted(server, asse
         assert ("Cached" in run.stdout) == (i > 0), stage  # step 2's complete stages: skipped
     assert run.returncode == 0, run.stdout[-4000:]
     assert all(manifest_times(store, layout).values())
+    assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
+
+
+def test_a_killed_prefect_server_stops_the_run_and_resume_completes(assets, tmp_path, reference_checksum):
+    """`stagerl train` with its own local Prefect server (no PREFECT_API_URL): the server is
+    SIGKILLed during step 1; the run stops within 30 s with a message naming the server and the
+    command to run next, which completes the run with the uninterrupted run's weights."""
+    root = (tmp_path / "runs").resolve()
+    home = root / ".cache" / "prefect"  # flows.cmd_train.prefect_env: the store's scratch home
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "STAGERL_FAULT"}
+    env.update(PYTHONUNBUFFERED="1")
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "f")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--experiment", "f",
+                             *tiny_overrides(assets, root)], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while read_manifest(store, layout, 1, "rollout") is None:
+            assert proc.poll() is None and time.time() < deadline, "step 1's rollout did not finish"
+            time.sleep(0.2)
+        record = json.loads((home / f"stagerl-server-{proc.pid}.json").read_text())
+        os.kill(record["pid"], signal.SIGKILL)
+        killed = time.time()
+        out, _ = proc.communicate(timeout=60)
+        stopped_s = time.time() - killed
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    print(f"run stopped {stopped_s:.1f} s after the server's SIGKILL")
+    assert proc.returncode == 1 and stopped_s < 30, (proc.returncode, stopped_s, out[-3000:])
+    assert (f"the local Prefect server (pid {record['pid']}, {record['api_url']}) exited with code -9"
+            in out), out[-3000:]
+    command = out.split("continue with `", 1)[1].split("`", 1)[0]
+    assert command == f"stagerl resume {PROJECT}/f --root {root}"
+    assert not store.exists(layout.weights(2))
+    resumed = subprocess.run([sys.executable, "-m", "flows.cli", *command.split()[1:]], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
 
 
