@@ -123,6 +123,30 @@ def load_dataset(cfg: dict, store: Store, split: str = "train"):
     return load_rl_dataset(cfg["data"], model, split, cfg["trainer"]["seed"], cache_dir=cache)
 
 
+def trainer_validates(cfg: dict) -> bool:
+    trainer = cfg["trainer"]
+    return bool(trainer["val_before_train"]) or trainer["test_freq"] > 0
+
+
+def check_ground_truth(cfg: dict, dataset) -> None:
+    """Rows with a null reward_model or reward_model.ground_truth cannot be scored by the built-in
+    rule scorers: refuse them at load, naming file and row. A user's reward function
+    (custom_reward_function.path) or a reward model may not need it: then only warn."""
+    from stages.dataset import rows_without_ground_truth
+
+    missing = rows_without_ground_truth(dataset.files, dataset.rows)
+    if not missing:
+        return
+    shown = "; ".join(missing[:5]) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else "")
+    what = (f"{len(missing)} of {len(dataset.rows)} {dataset.split} prompts have no "
+            f"reward_model.ground_truth: {shown}")
+    if cfg["custom_reward_function"].get("path") or cfg["reward_model"].get("enable"):
+        logger().warning(f"{what} (your reward function receives ground_truth=None for them)")
+        return
+    raise ValueError(f"{what}. The built-in scorers compare answers with it: fix those rows, "
+                     f"or give custom_reward_function.path")
+
+
 def total_steps(cfg: dict, steps_per_epoch: int) -> int:
     """trainer.total_training_steps, else total_epochs × steps per epoch (as verl)."""
     explicit = cfg["trainer"].get("total_training_steps")
@@ -263,6 +287,9 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
                         "experiment_name": experiment_name})
         run_uri = register_run(cfg, plan, store, session)
         dataset = load_dataset(cfg, store)
+        check_ground_truth(cfg, dataset)
+        if trainer_validates(cfg):
+            check_ground_truth(cfg, load_dataset(cfg, store, "val"))
         total = total_steps(cfg, dataset.steps_per_epoch)
         trainer, orch = cfg["trainer"], cfg["orchestration"]
         print(f"run {run_uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "

@@ -382,6 +382,11 @@ class ArrowRows(Sequence):
     def __repr__(self) -> str:
         return f"ArrowRows({len(self)} rows from {self._source or 'memory'})"
 
+    def field_values(self, name: str) -> list:
+        """One PromptRow field of every row, without decoding (or keeping) the rows."""
+        column = self._table.column(name).to_pylist()
+        return [json.loads(v) for v in column] if name in JSON_FIELDS else column
+
     def take(self, indices) -> list[PromptRow]:
         """The rows at `indices` (a batch); the ones not decoded yet are gathered in one go."""
         n, wanted = len(self), []

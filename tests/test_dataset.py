@@ -154,15 +154,67 @@ def test_bad_input_names_the_key_or_row(tmp_path, tokenizer):
     path = _arith(tmp_path, n=4)
     with pytest.raises(KeyError, match="'question'"):
         RLDataset(_config(path, prompt_key="question"), tokenizer)
-    with pytest.raises(KeyError, match="row 0: no 'source'"):
+    with pytest.raises(KeyError, match="train.parquet row 0: no 'source'"):
         RLDataset(_config(path, reward_fn_key="source"), tokenizer)
     rows = make_arith_dataset(4, seed=0, difficulty=1)
     rows[2]["prompt"] = []
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "empty.parquet")
-    with pytest.raises(ValueError, match="row 2: empty prompt"):
+    with pytest.raises(ValueError, match="empty.parquet row 2: empty prompt"):
         RLDataset(_config(str(tmp_path / "empty.parquet")), tokenizer)
     with pytest.raises(FileNotFoundError, match="nowhere.parquet"):
         RLDataset(_config(str(tmp_path / "nowhere.parquet")), tokenizer)
+
+
+def test_hostile_rows_are_refused_naming_file_row_and_column(tmp_path, tokenizer):
+    """Prompt content stored as bytes, a data_source that is bytes or not valid UTF-8: refused
+    at load with the file and the row within it (the second of two files here)."""
+    first = _arith(tmp_path, n=3, name="a.parquet")
+    rows = make_arith_dataset(4, seed=0, difficulty=1)
+    for row in rows:  # a binary column: every row's content is bytes
+        row["prompt"] = [{"role": "user", "content": row["prompt"][0]["content"].encode()}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bytes.parquet")
+    with pytest.raises(ValueError, match=r"bytes\.parquet row 0: message 0's content is bytes, not text"):
+        RLDataset(_config([first, str(tmp_path / "bytes.parquet")]), tokenizer)
+    rows = make_arith_dataset(4, seed=0, difficulty=1)
+    table = pa.Table.from_pylist(rows)
+    sources = pa.array([b"arith", b"arith", b"arith", b"ar\xffith"], pa.binary())
+    pq.write_table(table.set_column(table.column_names.index("data_source"), "data_source",
+                                    sources), tmp_path / "binary.parquet")
+    with pytest.raises(ValueError, match=r"binary\.parquet row 0: column 'data_source' .* is bytes, not text"):
+        RLDataset(_config([first, str(tmp_path / "binary.parquet")]), tokenizer)
+    pq.write_table(table.set_column(table.column_names.index("data_source"), "data_source",
+                                    sources.view(pa.string())), tmp_path / "utf8.parquet")
+    with pytest.raises(ValueError, match=r"utf8\.parquet row 3: column 'data_source' is not valid "
+                                         r"UTF-8 \(invalid start byte at byte 2\)"):
+        RLDataset(_config([first, str(tmp_path / "utf8.parquet")]), tokenizer)
+
+
+def test_rows_without_ground_truth_are_named(tmp_path, tokenizer, tokenizer_dir):
+    """A null reward_model or reward_model.ground_truth: rows_without_ground_truth names them
+    as FILE row K, from freshly prepared rows and from the disk cache alike; the training flow
+    refuses them under the built-in scorers and warns with a reward function of the user's."""
+    from flows.train import check_ground_truth
+    from stages.dataset import rows_without_ground_truth
+
+    first = _arith(tmp_path, n=3, name="a.parquet")
+    rows = make_arith_dataset(4, seed=0, difficulty=1)
+    rows[0]["reward_model"] = None
+    rows[2]["reward_model"] = {"style": "rule", "ground_truth": None}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.parquet")
+    config = _config([first, str(tmp_path / "b.parquet")])
+    fresh = RLDataset(config, tokenizer)
+    second = tmp_path / "b.parquet"
+    assert rows_without_ground_truth(fresh.files, fresh.rows) == [f"{second} row 0", f"{second} row 2"]
+    load_rl_dataset(config, tokenizer_dir, cache_dir=tmp_path / "cache")
+    dataset_cache.clear_memory_cache()
+    cached = load_rl_dataset(config, tokenizer_dir, cache_dir=tmp_path / "cache")
+    assert cached.cache_info["source"] == "disk"
+    assert rows_without_ground_truth(cached.files, cached.rows) == [f"{second} row 0", f"{second} row 2"]
+    cfg = {"custom_reward_function": {"path": None}, "reward_model": {"enable": False}}
+    with pytest.raises(ValueError, match=rf"2 of 7 train prompts have no reward_model.ground_truth: "
+                                         rf"{second} row 0; {second} row 2\. The built-in scorers"):
+        check_ground_truth(cfg, cached)
+    check_ground_truth({**cfg, "custom_reward_function": {"path": "my_reward.py"}}, cached)  # a warning
 
 
 # -- load_rl_dataset: rows prepared once per key (stages/dataset_cache.py) ------------------------
