@@ -209,6 +209,9 @@ def load_rl_dataset(data_cfg: dict, tokenizer_dir, split: str = "train", fallbac
 def _load_tokenizer(tokenizer_dir, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
+    from stages.models import check_model_folder
+
+    check_model_folder(tokenizer_dir, "tokenizer")  # not a hub repo id: say which folder is missing
     return AutoTokenizer.from_pretrained(os.path.expanduser(str(tokenizer_dir)),
                                          trust_remote_code=trust_remote_code)
 

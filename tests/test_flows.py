@@ -101,6 +101,14 @@ def test_cli_refuses_a_bad_plan_and_an_unknown_experiment(tmp_path):
     assert not (tmp_path / "stagerl").exists()  # refused before anything was written
     missing = cli("resume", "nope", "--root", str(tmp_path))
     assert missing.returncode == 2 and "no experiment 'nope'" in missing.stdout
+    elsewhere = subprocess.run(  # tiny-cpu's relative paths, run from another folder
+        [sys.executable, "-m", "flows.cli", "train", f"storage.root={tmp_path}"], cwd=tmp_path,
+        text=True, capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert elsewhere.returncode == 2, elsewhere.stdout + elsewhere.stderr
+    assert (f"error: actor_rollout_ref.model.path: ./runs/models/tiny is not a folder (looked for "
+            f"{tmp_path.resolve()}/runs/models/tiny; relative paths start at the working directory "
+            f"{tmp_path}); data.train_files: ./runs/data/arith-train.parquet is not a file") in elsewhere.stdout
+    assert "Repo id" not in elsewhere.stdout + elsewhere.stderr and not (tmp_path / "stagerl").exists()
 
 
 # ---- shared fixtures -----------------------------------------------------------------------
