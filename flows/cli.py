@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "flows.cmd_plot",
     "flows.cmd_stats",
     "flows.cmd_train",
+    "flows.cmd_verify",
 ]
 
 

@@ -9,11 +9,15 @@ def register(subparsers) -> None:
                    help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
                         "or ./runs); S3 credentials come from the AWS_* environment variables")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--verify", action="store_true",
+                   help="also read every stored file back against its manifest's checksum "
+                        "(column DAMAGED; `stagerl verify EXPERIMENT` lists them)")
     p.set_defaults(func=run)
 
 
-def collect(store) -> list:
-    """One summary dict per experiment found under the store root."""
+def collect(store, verify: bool = False) -> list:
+    """One summary dict per experiment found under the store root (with `verify`: "damaged",
+    the number of stored files that do not match their manifests)."""
     from storage.artifacts import read_run_json, run_status
     from storage.layout import STAGES, RunLayout
     from storage.weights import list_weights
@@ -41,6 +45,10 @@ def collect(store) -> list:
                          "steps_done": len(done), "last_step_done": max(done) if done else None,
                          "last_complete": last, "weights": weights[-1] if weights else None,
                          "locked": lock, "has_run_json": read_run_json(store, layout) is not None})
+            if verify:
+                from storage.verify import verify_run
+
+                rows[-1]["damaged"] = len(verify_run(store, layout).damaged)
     return rows
 
 
@@ -52,7 +60,7 @@ def run(args) -> int:
 
     root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
     store = Store.from_config({"root": root})
-    rows = collect(store)
+    rows = collect(store, verify=args.verify)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -60,11 +68,13 @@ def run(args) -> int:
     if not rows:
         print("no experiments")
         return 0
-    header = ("PROJECT", "EXPERIMENT", "STEPS DONE", "LAST COMPLETE", "WEIGHTS", "LOCKED")
+    header = ("PROJECT", "EXPERIMENT", "STEPS DONE", "LAST COMPLETE", "WEIGHTS", "LOCKED") + (
+        ("DAMAGED",) if args.verify else ())
     table = [header] + [(r["project"], r["experiment"], str(r["steps_done"]),
                          r["last_complete"] or "-",
                          "-" if r["weights"] is None else f"step_{r['weights']:06d}",
-                         "yes" if r["locked"] else "no") for r in rows]
+                         "yes" if r["locked"] else "no") + ((str(r["damaged"]),) if args.verify else ())
+                        for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

@@ -28,6 +28,8 @@ def register(subparsers) -> None:
                         "or ./runs)")
     r.add_argument("--force-lock", action="store_true",
                    help="break the experiment lock held by another writer")
+    r.add_argument("--no-verify", action="store_true",
+                   help="continue without first checking the stored files against their checksums")
     r.set_defaults(func=run_resume)
 
 
@@ -198,6 +200,12 @@ def run_resume(args) -> int:
         print(f"error: {exc}")
         return 2
     doc = read_run_json(store, RunLayout(project, experiment))
+    if not args.no_verify:  # a damaged file of a complete stage would otherwise go unnoticed
+        from flows.cmd_verify import check_run
+
+        if not check_run(store, project, experiment, root):
+            print("error: not resuming a run with damaged files (--no-verify to resume anyway)")
+            return 1
     from storage.secrets import is_scrubbed_override, scrub_override
 
     config, overrides, experiment = resume_arguments(doc, args.root)

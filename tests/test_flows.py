@@ -261,13 +261,60 @@ def test_each_step_publishes_versioned_artifacts(server, deployed):
 
 # ---- fault injection: SIGKILL inside each real stage, then resume ---------------------------
 @pytest.fixture(scope="module")
-def reference_checksum(server, assets, tmp_path_factory):
-    """The step-2 weights' checksum of an uninterrupted run (real stages, tiny overrides)."""
+def reference_run(server, assets, tmp_path_factory):
+    """The store root of an uninterrupted 2-step run (real stages, tiny overrides): copy it
+    before changing anything."""
     root = tmp_path_factory.mktemp("reference")
     ref = stagerl(server, ["train", "--experiment", "f", *tiny_overrides(assets, root)])
     assert ref.returncode == 0, ref.stdout[-4000:]
-    store = Store.from_config({"root": str(root)})
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference_checksum(reference_run):
+    """The step-2 weights' checksum of the uninterrupted run."""
+    store = Store.from_config({"root": str(reference_run)})
     return folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"]
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_files_are_found_by_verify_and_resume_and_repaired(server, reference_run, tmp_path,
+                                                                   reference_checksum):
+    """A finished run with one flipped byte in step 2's reward.parquet and one in its weights:
+    `stagerl verify` and `stagerl runs --verify` name them, `stagerl resume` refuses to go on,
+    `stagerl verify --repair` un-commits them and the next resume computes them again, equal to
+    the uninterrupted run."""
+    root = tmp_path / "runs"
+    shutil.copytree(reference_run, root)
+    run_dir = root / PROJECT / "f"
+    weights = max((p for p in (run_dir / "weights" / "step_000002").iterdir() if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    flip_byte(run_dir / "steps" / "000002" / "reward.parquet")
+    flip_byte(weights)
+    verify = stagerl(server, ["verify", "f", "--root", str(root)])
+    assert verify.returncode == 1, verify.stdout[-3000:]
+    assert "2 damaged" in verify.stdout and "all match" not in verify.stdout
+    assert f"damaged: {run_dir}/steps/000002/reward.parquet (step 2 reward): sha256 differs" in verify.stdout
+    assert f"damaged: {weights} (step 2 folder" in verify.stdout
+    runs = stagerl(server, ["runs", "--root", str(root), "--verify"])
+    assert runs.returncode == 0 and runs.stdout.split()[-1] == "2", runs.stdout  # the DAMAGED column
+    refused = stagerl(server, ["resume", "f", "--root", str(root)])
+    assert refused.returncode == 1 and "error: not resuming a run with damaged files" in refused.stdout
+    repaired = stagerl(server, ["verify", "f", "--root", str(root), "--repair"])
+    assert repaired.returncode == 0, repaired.stdout[-3000:]
+    assert "un-committed: step 2 reward" in repaired.stdout and "un-committed: step 2 update" in repaired.stdout
+    resumed = stagerl(server, ["resume", "f", "--root", str(root)])
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert "all match their manifests" in resumed.stdout  # checked before it continued
+    store = Store.from_config({"root": str(root)})
+    assert folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"] == reference_checksum
+    again = stagerl(server, ["verify", "f", "--root", str(root)])
+    assert again.returncode == 0 and "all match their manifests" in again.stdout, again.stdout[-3000:]
 
 
 def test_sigkill_inside_each_stage_then_resume_equals_uninterrupted(server, assets, tmp_path,

@@ -1,0 +1,61 @@
+"""`stagerl verify EXPERIMENT [--root URL] [--repair]`: read back every committed file of a run
+(stage files, weights, critic and train-state folders) against its manifest (storage.verify).
+Exit 0 when all match, 1 when something is damaged. `--repair` un-commits the damaged stages so
+that `stagerl resume` computes them again. `stagerl resume` runs the check first."""
+import os
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("verify", help="check a run's stored files against their manifests' "
+                                             "checksums (--repair: un-commit the damaged ones)")
+    p.add_argument("experiment", help="EXPERIMENT or PROJECT/EXPERIMENT in the store")
+    p.add_argument("--root", default=None,
+                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
+                        "or ./runs)")
+    p.add_argument("--repair", action="store_true",
+                   help="un-commit each damaged stage (and folder) so `stagerl resume` recomputes it")
+    p.set_defaults(func=run)
+
+
+def check_run(store, project: str, experiment: str, root: str) -> bool:
+    """Verify the run and print the result; True when nothing is damaged."""
+    from storage.layout import RunLayout
+    from storage.verify import verify_run
+
+    report = verify_run(store, RunLayout(project, experiment))
+    print(f"verify {project}/{experiment}: {report.summary()}")
+    for d in report.damaged:
+        owner = f"step {d.step} {d.stage}" if d.stage else f"step {d.step} folder {d.folder}"
+        print(f"  damaged: {store.url(d.key)} ({owner}): {d.problem}")
+    if not report.ok:
+        print(f"to compute them again: `stagerl verify {project}/{experiment} --root {root} --repair` "
+              f"(un-commits them), then `stagerl resume {project}/{experiment} --root {root}`; "
+              f"or restore the files from a backup")
+    return report.ok
+
+
+def run(args) -> int:
+    from flows.cmd_train import find_run
+    from storage.layout import RunLayout
+    from storage.store import Store
+    from storage.verify import repair, verify_run
+
+    root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
+    store = Store.from_config({"root": root})
+    try:
+        project, experiment = find_run(store, args.experiment)
+    except LookupError as exc:
+        print(f"error: {exc}")
+        return 2
+    if not args.repair:
+        return 0 if check_run(store, project, experiment, root) else 1
+    layout = RunLayout(project, experiment)
+    report = verify_run(store, layout)
+    print(f"verify {project}/{experiment}: {report.summary()}")
+    undone = repair(store, layout, report)
+    for item in undone:
+        print(f"  un-committed: {item}")
+    if undone:
+        print(f"`stagerl resume {project}/{experiment} --root {root}` computes them again (a stage "
+              f"needs the step before's weights and train state, which older steps may no longer keep)")
+    return 0
