@@ -386,7 +386,8 @@ def start_rank_pool(cfg: dict, plan: dict):
         return None
     from stages.rank_pool import RankPool, activate
 
-    pool = activate(RankPool(world, str(cfg["trainer"]["device"])))
+    pool = activate(RankPool(world, str(cfg["trainer"]["device"]),
+                             heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"])))
     pool.start(wait=False)  # the ranks start while the first rollout runs; the first job waits
     return pool
 

@@ -12,9 +12,10 @@
   file lock on work_dir/submit.lock, so another process attached by work dir may submit too).
 - A failing job raises RuntimeError with the failing rank's traceback; the pool goes on when
   every rank reported. If a rank is stuck (its peer failed before a collective: the others
-  did not report within `grace_s`), or a job runs past its timeout, or a rank process died
-  (torchrun then stops the others), the pool is stopped, the error raised, and the next
-  submit starts a fresh pool.
+  did not report within `grace_s`), or frozen (its heartbeat file, touched every 2 s by a
+  thread of the rank, is older than `heartbeat_timeout_s`: SIGSTOP, a hang holding the GIL), or
+  a job runs past its timeout, or a rank process died (torchrun then stops the others), the
+  pool is stopped, the error raised naming the rank, and the next submit starts a fresh pool.
 - `activate(pool)` registers the pool for this process (stages.launch.run_ranks uses it when
   world and device match) and sets STAGERL_RANK_POOL=<work_dir>, so a process that inherits
   the environment attaches to the same pool (RankPool.attach; it cannot restart it).
@@ -28,6 +29,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -68,13 +70,14 @@ _ACTIVE: "RankPool | None" = None
 
 class RankPool:
     def __init__(self, world: int, device: str = "cpu", work_dir=None, start_timeout_s: float = 600,
-                 grace_s: float = 30.0):
+                 grace_s: float = 30.0, heartbeat_timeout_s: float = 60.0):
         if world < 2:
             raise ValueError(f"a rank pool needs world >= 2 (world 1 runs in-process), got {world}")
         self.world, self.device = int(world), str(device)
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir) if work_dir else scratch_dir("pool")
         self.start_timeout_s, self.grace_s = start_timeout_s, grace_s
+        self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         self.proc: subprocess.Popen | None = None
         self.owner = True
         self.starts = 0  # how many times torchrun was started (restarts after a dead rank count)
@@ -109,7 +112,7 @@ class RankPool:
             return
         self._stop_process()
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        for f in list(self.work_dir.glob("ready_*")) + [self.work_dir / "stop"]:
+        for f in [*self.work_dir.glob("ready_*"), *self.work_dir.glob("heartbeat_*"), self.work_dir / "stop"]:
             f.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}",
                "-m", "stages.rank_server", str(self.work_dir), self.device, str(os.getpid())]
@@ -186,8 +189,14 @@ class RankPool:
         from stages.launch import _kill_group
 
         if self.proc is not None:
+            ranks = self.rank_pids()
             _kill_group(self.proc)  # also reaps ranks left in the session after torchrun exited
             self.proc = None
+            for pid in ranks:  # torchrun runs each rank in its own process group: a stopped
+                try:           # (SIGSTOP) rank never acts on the TERM torchrun sends it
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     # ---- jobs ---------------------------------------------------------------------------------
     def submit_background(self, module: str, ctx, timeout_s: float = 1800) -> None:
@@ -248,7 +257,7 @@ class RankPool:
         results = [self.work_dir / f"result_{job_id}_{r}.json" for r in range(self.world)]
         errors = [self.work_dir / f"error_{job_id}_{r}.txt" for r in range(self.world)]
         deadline = time.monotonic() + timeout_s
-        first_error = None
+        first_error, last_beat_check = None, time.monotonic()
         while True:
             done = [res.exists() or err.exists() for res, err in zip(results, errors)]
             if all(done):
@@ -258,10 +267,14 @@ class RankPool:
             stuck = first_error is not None and time.monotonic() - first_error > self.grace_s
             dead = not self.alive()
             late = time.monotonic() > deadline
-            if stuck or dead or late:
+            frozen = None
+            if time.monotonic() - last_beat_check > 1.0:
+                frozen, last_beat_check = self.frozen_rank(), time.monotonic()
+            if stuck or dead or late or frozen:
                 why = ("a rank failed and the others did not finish within "
                        f"{self.grace_s} s (waiting in a collective?)" if stuck else
-                       "a rank process died" if dead else f"the job did not finish in {timeout_s} s")
+                       "a rank process died" if dead else frozen if frozen else
+                       f"the job did not finish in {timeout_s} s")
                 detail = self._error_detail(errors)
                 if self.owner:
                     self._stop_process()  # the next submit starts a fresh pool
@@ -273,6 +286,22 @@ class RankPool:
             raise job_error(f"{module} failed on the rank pool ({self.world} ranks).\n{self._error_detail(errors)}",
                             [e.read_text() for e in errors if e.exists()])
         return [json.loads(res.read_text()) for res in results]
+
+    def frozen_rank(self) -> str | None:
+        """Why a rank counts as frozen (its heartbeat older than heartbeat_timeout_s), or None."""
+        now = time.time()
+        for rank in range(self.world):
+            beat = self.work_dir / f"heartbeat_{rank}"
+            try:
+                age = now - beat.stat().st_mtime
+                pid = int((self.work_dir / f"ready_{rank}").read_text())
+            except (FileNotFoundError, ValueError):
+                continue  # not started yet: wait_ready covers the start
+            if age > self.heartbeat_timeout_s:
+                return (f"rank {rank} (pid {pid}, process state {process_state(pid)}) sent no heartbeat "
+                        f"for {age:.0f} s (timeout {self.heartbeat_timeout_s:.0f} s): frozen "
+                        f"(SIGSTOP?) or hung")
+        return None
 
     def _error_detail(self, errors) -> str:
         return "".join(f"--- error rank {r} ---\n{e.read_text()[-ERROR_TAIL:]}\n"
@@ -293,6 +322,17 @@ class RankPool:
     def _stderr_tail(self) -> str:
         path = self.work_dir / "stderr.txt"
         return path.read_text(errors="replace")[-ERROR_TAIL:] if path.exists() else ""
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat with its meaning (T: stopped), or "unknown"."""
+    names = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "traced",
+             "Z": "zombie", "X": "dead"}
+    try:
+        letter = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return f"{letter} ({names.get(letter, '?')})"
 
 
 # ---- the pool of this process -------------------------------------------------------------------

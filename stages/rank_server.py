@@ -8,7 +8,9 @@ then serves jobs in order: job_<id>.json in work_dir (written atomically by the 
 (stages.rank_entry.run_job) and writes result_<id>_<rank>.json or error_<id>_<rank>.txt (its
 traceback). Ranks poll the folder instead of blocking in a broadcast, so an idle pool holds no
 pending collective (no gloo/NCCL timeout between steps, no spinning GPU kernel). A `stop` file,
-or the owner process disappearing, ends the loop. After each job the rank frees what the job
+or the owner process disappearing, ends the loop. A thread touches heartbeat_<rank> every
+HEARTBEAT_S; a rank whose heartbeat stops (frozen by SIGSTOP, swapped out, hung with the GIL held)
+is reported by the client within its heartbeat timeout instead of at the job timeout. After each job the rank frees what the job
 left (gc, CUDA cache) and freezes what survives (gc.freeze): a full collection scans the ~500 k
 objects of torch/transformers/DeepSpeed and took 0.3-0.6 s per job, which delayed the next job;
 after the freeze only new objects are scanned. Stages may keep state across jobs on purpose (the
@@ -24,6 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
+HEARTBEAT_S = 2.0  # seconds between a rank's heartbeat touches
 POLL_S = 0.005  # job pick-up latency; an idle rank costs ~200 stat calls a second
 IN_POOL_ENV = "STAGERL_RANK_SERVER"  # set in rank processes of a pool (stages may cache state)
 
@@ -52,6 +55,7 @@ def serve(work: Path, device: str, owner_pid: int) -> int:
     rank, world = init_distributed(device)
     next_file = work / "next_id"  # read before "ready": the client writes it only once all are ready
     job_id = int(next_file.read_text()) if next_file.exists() else 0
+    _start_heartbeat(work / f"heartbeat_{rank}")
     _write_atomic(work / f"ready_{rank}", str(os.getpid()))
     _preload()
     last_owner_check = time.monotonic()
@@ -87,6 +91,24 @@ def serve(work: Path, device: str, owner_pid: int) -> int:
             job_id += 1
     finally:
         destroy_distributed()
+
+
+def _start_heartbeat(path: Path) -> None:
+    """Touch `path` now and every HEARTBEAT_S in a daemon thread (it stops when the process
+    is stopped or cannot run Python)."""
+    import threading
+
+    path.touch()
+
+    def beat() -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                os.utime(path)
+            except OSError:  # the work dir is gone: the pool is being removed
+                return
+
+    threading.Thread(target=beat, name="rank-heartbeat", daemon=True).start()
 
 
 PRELOAD = ("deepspeed", "transformers.models.auto.modeling_auto", "stages.update_worker", "stages.logprob")

@@ -1,5 +1,6 @@
 """Toy rank jobs for the rank pool tests (run inside the pool's rank processes)."""
 import os
+import time
 
 
 def rank_main(ctx, rank, world):
@@ -9,4 +10,5 @@ def rank_main(ctx, rank, world):
     if ctx.get("store_outage_on_rank") == rank:
         from storage.store import StoreError
         raise StoreError(f"s3://bucket/x: connection refused on rank {rank}")
+    time.sleep(float(ctx.get("sleep_s", 0)))
     return {"rank": rank, "world": world, "pid": os.getpid(), "ctx": ctx}

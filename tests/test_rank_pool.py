@@ -3,6 +3,7 @@
 Real torchrun jobs with 2 gloo ranks: each pool start costs ~10 s, each per-call launch 6-13 s."""
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -66,6 +67,25 @@ def test_jobs_failure_dead_rank_restart_and_close(tmp_path):
     for pid in pids + new_pids + [launcher, launcher2]:
         assert gone(pid), f"process {pid} is still running after close()"
     assert not pool.alive()
+
+
+def test_a_frozen_rank_is_reported_within_its_heartbeat_timeout(tmp_path):
+    """A rank SIGSTOPped during a 120 s job: reported after about heartbeat_timeout_s (5 s here),
+    naming the rank, its pid and its stopped state, not at the job timeout; the next job runs on
+    a fresh pool."""
+    with RankPool(2, "cpu", tmp_path / "pool", heartbeat_timeout_s=5) as pool:
+        pids = [r["pid"] for r in pool.submit("tests._pool_jobs", {"message": "hi"})]
+        threading.Timer(1.0, os.kill, (pids[1], signal.SIGSTOP)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            pool.submit("tests._pool_jobs", {"message": "long", "sleep_s": 120}, timeout_s=300)
+        waited = time.monotonic() - t0
+        assert 5 < waited < 20, waited
+        assert (f"rank 1 (pid {pids[1]}, process state T (stopped)) sent no heartbeat for"
+                in str(err.value)), str(err.value)[:2000]
+        assert gone(pids[1], 30) and gone(pids[0], 30)
+        again = pool.submit("tests._pool_jobs", {"message": "after"})
+        assert pool.starts == 2 and set(r["pid"] for r in again).isdisjoint(pids)
 
 
 @pytest.fixture(scope="module")
