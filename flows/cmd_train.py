@@ -126,15 +126,47 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
             if server is None or server.died is None:
                 raise
             return 1  # the watch printed why, and what to run next
+        except Exception as exc:  # Prefect's own API calls (creating or ending the flow run)
+            note = prefect_server_error(exc, server, resume_command(cfg))
+            if note is None:
+                raise
+            print(note)
+            return 1
         if server is not None and server.died is not None:
             return 1
         if not state.is_completed():
             try:
                 state.result()
             except Exception as exc:
-                print(f"error: training failed: {type(exc).__name__}: {exc}")
+                print(prefect_server_error(exc, server, resume_command(cfg))
+                      or f"error: training failed: {type(exc).__name__}: {exc}")
             return 1
         return 0
+
+
+LOW_DISK_BYTES = 64 << 20  # below this, a Prefect server error is put down to a full disk
+
+
+def prefect_server_error(exc: BaseException, server, next_step: str) -> str | None:
+    """The message for an HTTP 5xx answer of the Prefect server, or None for other errors.
+    SQLite on a full disk makes the server answer "500 Internal Server Error" (and its log may
+    not be writable either), so the free space of PREFECT_HOME is looked at and named."""
+    import shutil
+
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if not isinstance(status, int) or status < 500:
+        return None
+    url = server.api_url if server is not None else os.environ.get("PREFECT_API_URL", "?")
+    home = os.environ.get("PREFECT_HOME")
+    free = shutil.disk_usage(home).free if server is not None and home and os.path.isdir(home) else None
+    if free is not None and free < LOW_DISK_BYTES:
+        return (f"error: the local Prefect server ({url}) cannot write its database: the disk of "
+                f"PREFECT_HOME {home} is full ({free / 1e6:.1f} MB free; \"No space left on "
+                f"device\"), so it answered HTTP {status}. The run's data in the store is intact: "
+                f"free space there (or set PREFECT_HOME to a folder with room), then `{next_step}`")
+    log = f" (its log: {server.log})" if server is not None else ""
+    return (f"error: the Prefect server {url}{log} answered HTTP {status}: {exc}. The run's data in "
+            f"the store is intact: once the server is healthy, `{next_step}`")
 
 
 def resume_command(cfg: dict) -> str:

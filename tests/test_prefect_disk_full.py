@@ -1,0 +1,75 @@
+"""`stagerl train` whose local Prefect server's disk fills up mid-run (PREFECT_HOME on a small
+tmpfs, then filled): the server answers HTTP 500 (SQLite cannot write) and the run ends with a
+message that names the full disk and the resume command, not a bare "500 Internal Server Error";
+once there is room, that command completes the run."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.artifacts import read_manifest
+from storage.layout import RunLayout
+from storage.store import Store
+from storage.weights import list_weights
+from test_flows import PROJECT, tiny_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MB tmpfs (root only: the CI machine runs the tests as root)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (not root?): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
+    from stages.data_tools import write_arith_dataset
+    from stages.tiny_model import save_tiny_model
+
+    assets = tmp_path / "assets"
+    save_tiny_model(assets / "model")
+    write_arith_dataset(assets / "train.parquet", n=40)
+    write_arith_dataset(assets / "test.parquet", n=8, split="test")
+    root = tmp_path / "runs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "STAGERL_"))}
+    env.update(PREFECT_HOME=str(small_disk / "prefect"), PYTHONUNBUFFERED="1")
+    cli = [sys.executable, "-m", "flows.cli"]
+    args = ["train", "--experiment", "d", *tiny_overrides(assets, root, steps=4)]
+    proc = subprocess.Popen([*cli, *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "d")
+    deadline = time.time() + 300
+    while read_manifest(store, layout, 1, "rollout") is None:
+        assert proc.poll() is None and time.time() < deadline, "step 1's rollout did not finish"
+        time.sleep(0.1)
+    with open(small_disk / "filler", "wb") as filler:  # fill the disk
+        try:
+            while True:
+                filler.write(b"\0" * (1 << 20))
+                filler.flush()
+        except OSError:
+            pass
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-4000:]
+    assert (f"error: the local Prefect server (http://127.0.0.1:" in out
+            and f"cannot write its database: the disk of PREFECT_HOME {small_disk / 'prefect'} is full"
+            in out), out[-4000:]
+    command = out.split("then `", 1)[1].split("`", 1)[0]
+    assert command == f"stagerl resume {PROJECT}/d --root {root}"
+    (small_disk / "filler").unlink()
+    resumed = subprocess.run([*cli, *command.split()[1:]], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert list_weights(store, layout) == [4]
