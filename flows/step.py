@@ -137,7 +137,7 @@ def _retry_condition(task_, task_run, state) -> bool:
 
 def retry_options(cfg: dict) -> dict:
     orch = cfg.get("orchestration") or {}
-    retries = int(orch.get("storage_retries", 3))
+    retries = int(orch.get("storage_retries", 5))
     first = float(orch.get("retry_delay_s", 2.0))
     return {"retries": retries, "retry_delay_seconds": [first * 2 ** i for i in range(retries)]}
 

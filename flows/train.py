@@ -280,7 +280,7 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
     pool, run_uri = None, None
     orch = cfg["orchestration"]
     # the run's resident workers (rollout engines, reward scorers) and background commits
-    session = RunSession(retries=int(orch.get("storage_retries", 3)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
+    session = RunSession(retries=int(orch.get("storage_retries", 5)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
                          retryable=is_retryable)
     try:
         check_run_json(store, layout, cfg, plan,

@@ -202,7 +202,7 @@ def _prompt_problem(messages) -> str | None:
         if isinstance(content, (bytes, bytearray)):
             return f"message {j}'s content is bytes, not text: store it as a UTF-8 string column"
         if not isinstance(content, str) or not content:
-            return f"message {j} has no text content ({content!r})"
+            return f"empty prompt: message {j} has no text content ({content!r})"
     return None
 
 

@@ -209,9 +209,10 @@ def load_rl_dataset(data_cfg: dict, tokenizer_dir, split: str = "train", fallbac
 def _load_tokenizer(tokenizer_dir, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    from stages.models import check_model_folder
-
-    check_model_folder(tokenizer_dir, "tokenizer")  # not a hub repo id: say which folder is missing
+    folder = Path(os.path.expanduser(str(tokenizer_dir)))
+    if not folder.is_dir():  # else Hugging Face reads it as a hub repo id
+        raise FileNotFoundError(f"tokenizer folder {folder} does not exist (the model path: a local "
+                                f"Hugging Face folder)")
     return AutoTokenizer.from_pretrained(os.path.expanduser(str(tokenizer_dir)),
                                          trust_remote_code=trust_remote_code)
 

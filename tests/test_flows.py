@@ -380,7 +380,6 @@ def test_a_killed_prefect_server_stops_the_run_and_resume_completes(assets, tmp_
             in out), out[-3000:]
     command = out.split("continue with `", 1)[1].split("`", 1)[0]
     assert command == f"stagerl resume {PROJECT}/f --root {root}"
-    assert not store.exists(layout.weights(2))
     resumed = subprocess.run([sys.executable, "-m", "flows.cli", *command.split()[1:]], cwd=REPO,
                              env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-             "orchestration.retry_delay_s=2.0", "orchestration.storage_retries=3"]  # the defaults
+             "orchestration.retry_delay_s=2.0", "orchestration.storage_retries=5"]  # the defaults
 
 
 @pytest.fixture(scope="module")
