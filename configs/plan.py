@@ -1,6 +1,6 @@
 """The batch plan: one pure function from a resolved config to every size a stage uses.
 
-verl's semantics exactly (reference/verl-semantics.md §1.2-§1.5, legacy FSDP workers): sizes in
+verl's semantics exactly (docs/verl-semantics.md §2-§3, verl's legacy FSDP workers): sizes in
 the config are prompts; `ppo_mini_batch_size × rollout.n ÷ dp` (floor) is the per-rank mini-batch
 in rows; `*_per_gpu` values are never rescaled; deprecated global micro sizes are floor-divided by
 dp. Stricter than verl: everything verl only finds at run time (or silently gets wrong) is refused

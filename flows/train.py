@@ -379,8 +379,8 @@ def freeze_heap() -> None:
 
 def start_rank_pool(cfg: dict, plan: dict):
     """One long-lived group of ranks for the whole run (stages.rank_pool): logprob and update of
-    every step reuse it instead of paying a torchrun launch and a DeepSpeed set-up each time. One
-    rank trains in this process (stages.update_worker keeps its engine for the run)."""
+    every step reuse it instead of paying a torchrun launch and a DeepSpeed set-up each time. Each
+    rank is a process of the pool and keeps its DeepSpeed engine for the run (stages.update_worker)."""
     world = plan["n_gpus"]
     if world <= 1 or cfg["orchestration"]["mode"] != "local" or cfg["trainer"].get("launcher") == "deepspeed":
         return None

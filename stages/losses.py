@@ -1,12 +1,12 @@
 """PPO losses as pure functions (verl `verl/trainer/ppo/core_algos.py`).
 
 Normalisers. verl's legacy workers aggregate each micro-batch with its *local* token/row counts and
-scale by rows_in_micro/rows_in_mini (§3.4), which for token-mean is not the mini-batch's token mean.
+scale by rows_in_micro/rows_in_mini (docs/verl-semantics.md §4, "loss_agg_mode"), which for token-mean is not the mini-batch's token mean.
 Here `agg_loss` also takes the mini-batch's global counts: with `global_tokens` = valid tokens of the
 whole mini-batch over all ranks (or `global_rows` = rows with >= 1 valid token, for the seq-mean
 modes) and `dp_size` = number of ranks whose gradients are averaged, each micro-batch's loss is
 sum(L*m)/global_tokens*dp_size; summing micro-batches and averaging ranks then gives exactly the
-single-call value over the mini-batch, however it is split (verl's engine path, §3.5).
+single-call value over the mini-batch, however it is split (verl's engine path; docs/verl-semantics.md §4).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
              global_tokens: float | None = None, global_rows: float | None = None,
              dp_size: int = 1, loss_scale_factor: float | None = None) -> torch.Tensor:
-    """Aggregate a (bs, T) loss matrix: token-mean, seq-mean-token-{sum,mean}, seq-mean-token-sum-norm (§4.8).
+    """Aggregate a (bs, T) loss matrix: token-mean, seq-mean-token-{sum,mean}, seq-mean-token-sum-norm (docs/verl-semantics.md §4).
 
     token-mean:              sum(L*m) / (global_tokens or sum(m)) * dp_size
     seq-mean-token-sum:      sum_i sum_t L*m / (global_rows or #rows with tokens) * dp_size

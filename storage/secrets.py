@@ -1,4 +1,4 @@
-"""Secret scrubbing for everything the store persists (run.json, manifests, lock files).
+"""Secret scrubbing for everything the store persists (run.json, manifests, weights manifests).
 
 Three nets: fields whose *name* marks a secret (key, secret, token, password, credentials, ...),
 credentials embedded in URLs (`s3://AK:SK@host`, `https://user:pass@host`), and any literal
