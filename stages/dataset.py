@@ -19,7 +19,6 @@ Preparing the rows (reading, templating, tokenising) is what costs, and it depen
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field

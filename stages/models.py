@@ -7,7 +7,6 @@ is scored by the hidden state at column P+j-1; values use the same position (dp_
 values[:, -R-1:-1])."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -102,11 +101,6 @@ def _head_name(model) -> str:
 def _value_head(model):
     name = _head_name(model)
     return getattr(model, name) if name else None
-
-
-def is_causal_lm_folder(path) -> bool:
-    config = json.loads((Path(path) / "config.json").read_text())
-    return any(a.endswith("ForCausalLM") for a in config.get("architectures") or [])
 
 
 # ---- forward passes --------------------------------------------------------------------------

@@ -168,7 +168,6 @@ class RankPool:
 
     def close(self, timeout_s: float = 30) -> None:
         """Stop the ranks (stop file, then the process group) and remove a work dir made here."""
-        global _ACTIVE
         if not self.owner:
             return
         self._join_background()

@@ -147,6 +147,3 @@ def temp_key(key: str, token: str) -> str:
     """A temporary sibling of `key`; never listed in a manifest, never read."""
     return f"{key}.tmp-{token}"
 
-
-def is_temp_key(key: str) -> bool:
-    return ".tmp-" in key.rsplit("/", 1)[-1]

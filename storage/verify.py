@@ -59,7 +59,7 @@ def _check(store: Store, key: str, size: int, sha256: str) -> tuple[str | None, 
     (weights files can be larger than memory)."""
     digest, n = hashlib.sha256(), 0
     try:
-        with store.fs.open(store.path(key), "rb") as f:
+        with store.open_read(key) as f:
             for chunk in iter(lambda: f.read(CHUNK), b""):
                 digest.update(chunk)
                 n += len(chunk)

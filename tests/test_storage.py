@@ -39,6 +39,33 @@ def s3_endpoint():
         yield srv.endpoint_url
 
 
+def test_every_store_call_raises_store_error_during_an_outage(s3_endpoint):
+    """With the S3 endpoint unreachable (a proxy in front of it refusing connections), each Store
+    call raises StoreError naming its key (what the retry policy retries), not a raw client error
+    or a silent "missing"; a missing key is still FileNotFoundError / empty when reachable."""
+    from _tcp_proxy import TcpProxy
+    from storage.store import StoreError
+
+    port = int(s3_endpoint.rsplit(":", 1)[1])
+    with TcpProxy(port) as proxy:
+        store = Store.from_config({"root": f"s3://{BUCKET}/outage", "endpoint_url": proxy.url,
+                                   "key": FAKE_KEY, "secret": FAKE_SECRET})
+        store.write_bytes("a/b.bin", b"x")
+        assert store.list("a") == ["b.bin"] and store.list("nowhere") == [] and store.find("nowhere") == []
+        with pytest.raises(FileNotFoundError, match="no object at s3://"):
+            store.read_bytes("nowhere")
+        proxy.cut(600)
+        calls = {"exists": lambda: store.exists("a/unseen.bin"), "list": lambda: store.list("a"),
+                 "find": lambda: store.find("a"), "move": lambda: store.move("a/b.bin", "a/c.bin"),
+                 "delete": lambda: store.delete("a/b.bin"), "delete tree": lambda: store.delete("a", recursive=True),
+                 "read": lambda: store.read_bytes("a/b.bin"), "write": lambda: store.write_bytes("a/d.bin", b"y"),
+                 "size": lambda: store.size("a/unseen.bin")}
+        for name, call in calls.items():
+            with pytest.raises(StoreError, match=rf"s3://{BUCKET}/outage/a"):
+                call()
+            print(f"{name}: StoreError")
+
+
 @pytest.fixture(params=["local", "s3"])
 def storage_cfg(request, tmp_path):
     cache = tmp_path / "cache"
