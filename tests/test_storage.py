@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -29,7 +28,6 @@ FAKE_SECRET = "fakeSecret+9vQx/Zr7TtPpLmNnBbVvCcXx"
 FAKE_TOKEN = "hf_faketokenQWERTY123456"
 FAKE_PASSWORD = "p4ssw0rd-FAKE-xyz"
 SECRET_VALUES = (FAKE_KEY, FAKE_SECRET, FAKE_TOKEN, FAKE_PASSWORD)
-LOCAL_DIRS = []  # every local folder a test wrote to (grepped by the last test)
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +67,6 @@ def test_every_store_call_raises_store_error_during_an_outage(s3_endpoint):
 @pytest.fixture(params=["local", "s3"])
 def storage_cfg(request, tmp_path):
     cache = tmp_path / "cache"
-    LOCAL_DIRS.append(tmp_path)
     if request.param == "local":
         return {"root": str(tmp_path / "store"), "key": FAKE_KEY, "secret": FAKE_SECRET,
                 "cache_dir": str(cache)}
@@ -329,9 +326,15 @@ def test_lock(storage_cfg, layout):
     forced.release()
     assert not store.exists(layout.lock)
     with ExperimentLock(store, layout):
-        quick = Store.from_config({**storage_cfg, "lock_stale_seconds": 0.3})
-        time.sleep(0.4)
-        stale_taker = ExperimentLock(quick, layout).acquire()  # stale: taken over
+        with pytest.raises(LockedError, match="stale after 3600s"):  # a fresh lock is kept
+            ExperimentLock(store, layout).acquire()
+        record = store.read_json(layout.lock)
+        store.write_json(layout.lock, {**record, "time": record["time"] - 10})  # refreshed 10 s ago
+        with pytest.raises(LockedError, match=r"\(10s ago; stale after 60s\)"):
+            ExperimentLock(Store.from_config({**storage_cfg, "lock_stale_seconds": 60}), layout).acquire()
+        quick = Store.from_config({**storage_cfg, "lock_stale_seconds": 5})
+        stale_taker = ExperimentLock(quick, layout).acquire()  # 10 s > 5 s: stale, taken over
+        assert store.read_json(layout.lock)["token"] == stale_taker.token
         stale_taker.release()
 
 
@@ -488,20 +491,31 @@ def test_runs_command(store, storage_cfg, capsys, monkeypatch):
 
 
 # ---- last: nothing written anywhere contains a secret ------------------------------------
-def test_zz_no_secret_in_any_object(s3_endpoint):
+def test_no_secret_in_any_object_of_a_run(s3_endpoint, tmp_path):
+    """What the store layer writes for a run — run.json, a stage and its manifest, a weights
+    folder, the lock — with credentials in the config, in the S3 root URL and in a manifest's
+    extra: a grep of every object written, local and on S3, finds none of them."""
     import s3fs
-    if not LOCAL_DIRS:
-        pytest.skip("greps what the other storage tests wrote: run it with them")
+
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "model.bin").write_bytes(b"weights")
     blobs = {}
-    for d in LOCAL_DIRS:
-        for p in Path(d).rglob("*"):
-            if p.is_file():
-                blobs[str(p)] = p.read_bytes()
+    for cfg in ({"root": str(tmp_path / "store"), "key": FAKE_KEY, "secret": FAKE_SECRET},
+                {"root": f"s3://{FAKE_KEY}:{FAKE_SECRET}@{BUCKET}/nosecret", "endpoint_url": s3_endpoint}):
+        store, layout = Store.from_config(cfg), RunLayout("proj", "exp")
+        artifacts.write_run_json(store, layout, {"storage": cfg, "trainer": {
+            "hf_token": FAKE_TOKEN, "tracker": {"password": FAKE_PASSWORD}}})
+        artifacts.write_stage(store, layout, 1, "reward", step_files()["reward"], fingerprint="f",
+                              extra={"note": f"used {FAKE_SECRET}", "hf_token": FAKE_TOKEN})
+        save_weights(store, layout, 1, tmp_path / "w", extra={"token": FAKE_TOKEN})
+        with ExperimentLock(store, layout):
+            for key in store.find(""):
+                blobs[store.url(key)] = store.read_bytes(key)
     fs = s3fs.S3FileSystem(key=FAKE_KEY, secret=FAKE_SECRET, endpoint_url=s3_endpoint,
-                           skip_instance_cache=True)
-    for key in fs.find(BUCKET):
+                           skip_instance_cache=True)  # and what S3 holds, read around the Store
+    for key in fs.find(f"{BUCKET}/nosecret"):
         blobs[f"s3://{key}"] = fs.cat_file(key)
-    assert any(n.startswith('s3://') for n in blobs) and len(blobs) > 20
-    leaks = [(name, v) for name, data in blobs.items() for v in SECRET_VALUES
-             if v.encode() in data]
+    assert sum(n.startswith("s3://") for n in blobs) == 6 and sum(not n.startswith("s3://") for n in blobs) == 6
+    assert any(n.endswith("_lock.json") for n in blobs) and any(n.endswith("run.json") for n in blobs)
+    leaks = [(name, v) for name, data in blobs.items() for v in SECRET_VALUES if v.encode() in data]
     assert not leaks, leaks

@@ -121,8 +121,8 @@ def test_every_parameter_changes_and_metrics(tmp_path, model_dir):
     for key in (ctx.layout.critic_weights(1), f"{ctx.layout.train_state}/step_000001/actor",
                 f"{ctx.layout.train_state}/step_000001/critic"):
         assert store.exists(f"{key}/_manifest.json"), key
-    assert (store.path(ctx.layout.weights(1)) and
-            os.path.exists(os.path.join(store.path(ctx.layout.weights(1)), "tokenizer.json")))
+    exported = store.read_bytes(f"{ctx.layout.weights(1)}/tokenizer.json")  # the tokenizer goes along
+    assert exported == (model_dir / "tokenizer.json").read_bytes()
     table = read_table(store, ctx.layout, 1, "update").to_pydict()
     assert sum(table["real_tokens"]) == 2 * metrics["update/micro_batch_loads"]["actor/rank_0"]["real_tokens"]
     assert all(p >= r for p, r in zip(table["padded_tokens"], table["real_tokens"]))
