@@ -360,3 +360,15 @@ def _reward_model(cfg, world: int, rows: int) -> dict:
     return {"micro_batch_size_per_gpu": micro, "use_dynamic_bsz": bool(dynamic),
             "forward_max_token_len_per_gpu": budget,
             "forward_passes_per_rank": None if dynamic or not micro else ceil(per_rank / micro)}
+
+
+def check_trainable(cfg) -> None:
+    """What `stagerl plan` derives as verl does but stagerl's stages cannot train yet: refused
+    before a run starts (ConfigError naming the key)."""
+    for key in (f"{ACTOR}.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"):
+        if key.startswith("critic") and not uses_critic(cfg):
+            continue
+        if get_path(cfg, key) != 1:
+            raise ConfigError(f"{key}={get_path(cfg, key)}: sequence parallelism is planned as verl "
+                              f"does, but stagerl's logprob and update stages train whole sequences "
+                              f"on each rank; set {key}=1 (the data-parallel size is then the world size)")

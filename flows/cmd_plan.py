@@ -62,6 +62,12 @@ def run_plan(args) -> int:
         print(json.dumps(plan, indent=2))
     else:
         print(render_plan(plan, cfg))
+        from configs.plan import check_trainable
+
+        try:
+            check_trainable(cfg)
+        except ConfigError as err:
+            print(f"note: `stagerl train` refuses this config: {err}")
     return 0
 
 
@@ -98,7 +104,10 @@ def render_plan(plan: dict, cfg) -> str:
         out.append("Reference: not needed (no KL loss, no KL in reward)")
     c = plan["critic"]
     if c:
-        out.append("Critic (value model)")
+        start = cfg["critic"]["model"]["path"]
+        same = start == cfg["actor_rollout_ref"]["model"]["path"]
+        out.append(f"Critic (value model): starts from {start}"
+                   + (" (critic.model.path; default: the actor's model)" if same else " (critic.model.path)"))
         out += _train_lines(c, n, "critic.ppo_mini_batch_size") + _micro_lines(c)
         if c["value_forward_passes_per_rank"]:
             out.append(_line("value forward passes per rank", c["value_forward_passes_per_rank"],

@@ -99,6 +99,7 @@ def drain_prefect_senders(timeout: float = 10.0) -> None:
 def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int:
     from configs.loader import load_config
     from configs.local_paths import check_local_paths
+    from configs.plan import check_trainable
     from configs.schema import ConfigError
     from configs.suggest import make_plan
 
@@ -106,6 +107,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
         cfg = load_config(config, list(overrides) + (
             [f"trainer.experiment_name={experiment}"] if experiment else []))
         make_plan(cfg)
+        check_trainable(cfg)
         check_local_paths(cfg)
     except ConfigError as exc:
         print(f"error: {exc}")

@@ -17,6 +17,7 @@ from prefect import flow
 from flows.step import (check_stage_deployments, is_retryable, logger, make_context, register_run, rl_step,
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from configs.local_paths import check_local_paths
+from configs.plan import check_trainable
 from flows.step_report import log_line, step_metrics, wait_published
 from stages.launch import forget_inherited_rank_env
 from stages.scratch import process_alive, remove_orphans
@@ -267,6 +268,7 @@ def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: 
     forget_inherited_rank_env()
     overrides = list(overrides or []) + secret_overrides_from_env()  # `stagerl train` credentials
     cfg, plan = resolve(config, overrides, experiment_name)
+    check_trainable(cfg)
     check_local_paths(cfg)  # a deployment run's worker: its own working directory
     for folder in remove_orphans():  # scratch folders of killed runs on this host (stages.scratch)
         print(f"removed {folder}: left by a process that is gone", flush=True)

@@ -99,6 +99,10 @@ def test_cli_refuses_a_bad_plan_and_an_unknown_experiment(tmp_path):
     assert bad.returncode == 2 and "must be >= actor.ppo_mini_batch_size (15)" in bad.stdout
     assert "data.train_batch_size=15" in bad.stdout  # a value that works is suggested
     assert not (tmp_path / "stagerl").exists()  # refused before anything was written
+    sp = cli("train", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+             "actor_rollout_ref.model.use_remove_padding=true", f"storage.root={tmp_path}")
+    assert sp.returncode == 2 and ("error: actor_rollout_ref.actor.ulysses_sequence_parallel_size=2: "
+                                   "sequence parallelism is planned as verl does") in sp.stdout, sp.stdout
     missing = cli("resume", "nope", "--root", str(tmp_path))
     assert missing.returncode == 2 and "no experiment 'nope'" in missing.stdout
     elsewhere = subprocess.run(  # tiny-cpu's relative paths, run from another folder
