@@ -13,7 +13,7 @@ import yaml
 
 from configs.schema import CONFIG_DIR, ConfigError, load_schema
 
-DEFAULT_CONFIG = "tiny-cpu"
+DEFAULT_CONFIG = "base"  # no --config: verl's defaults fill every key a command line leaves out
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 

@@ -11,7 +11,8 @@ import yaml
 def add_config_args(parser) -> None:
     """--config NAME and trailing dotted overrides: shared by every command that loads a config."""
     parser.add_argument("--config", default=None,
-                        help="config name in configs/ (default: tiny-cpu; 'base' = verl's defaults) or a YAML path")
+                        help="config name in configs/ or a YAML path (default: base = verl's defaults; "
+                             "the CPU demo is tiny-cpu)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides as in verl/Hydra: a.b=c, +a.b=c (add), ++a.b=c, ~a.b (delete)")
 
@@ -79,7 +80,9 @@ def render_plan(plan: dict, cfg) -> str:
     """The derivation, level by level, each number beside its formula."""
     a, r = plan["actor"], plan["rollout"]
     n, tbs, world = plan["rollout_n"], plan["prompts_per_step"], plan["n_gpus"]
-    src = cfg.source + (f" + {len(cfg.overrides)} override(s)" if cfg.overrides else "")
+    src = ("config: base, verl's defaults" if cfg.source == "base" else f"config: {cfg.source} on base (verl's defaults)")
+    src = (src
+           + (f" + {len(cfg.overrides)} override(s)" if cfg.overrides else ""))
     out = [f"Batch plan ({src})",
            _line("world (ranks)", world, f"= trainer.nnodes {plan['nnodes']} × n_gpus_per_node {plan['n_gpus_per_node']}"),
            "L1 prompts",
@@ -97,7 +100,11 @@ def render_plan(plan: dict, cfg) -> str:
                   f"= world {world} ÷ (TP {r['tensor_model_parallel_size']} × rollout dp {r['data_parallel_size']})"),
             _line("prompts per replica", r["prompts_per_replica"], f"= ceil({tbs} ÷ {r['num_replicas']})"),
             _line("rows per replica", r["rows_per_replica"], f"= {r['prompts_per_replica']} × n {n}")]
-    out += _log_prob_lines("old log-prob (rollout.log_prob_*)", r, a["samples_per_dp_rank"])
+    if r.get("old_log_prob_pass", True):
+        out += _log_prob_lines("old log-prob (rollout.log_prob_*)", r, a["samples_per_dp_rank"])
+    else:
+        out.append("Old log-prob: no separate pass (one mini-batch, one epoch, no KL in reward: the "
+                   "update's own forward gives them, as in verl)")
     if plan["ref"]:
         out += _log_prob_lines("reference log-prob (ref.log_prob_*)", plan["ref"], a["samples_per_dp_rank"])
     else:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train (or continue) an experiment as a Prefect flow")
-    p.add_argument("--config", default="tiny-cpu", help="config name or YAML path (default tiny-cpu)")
+    p.add_argument("--config", default="base",
+                   help="config name in configs/ or a YAML path (default: base = verl's defaults, so a "
+                        "verl command line means what it means in verl; the CPU demo is tiny-cpu)")
     p.add_argument("--experiment", default=None, help="trainer.experiment_name (run folder name)")
     p.add_argument("--force-lock", action="store_true",
                    help="break the experiment lock held by another writer")

@@ -260,7 +260,7 @@ def validate(run_uri: str, step: int, extra: dict) -> dict | None:
 
 # ---- the flow -------------------------------------------------------------------------------
 @flow(name="rl-train", log_prints=True)
-def train(config: str = "tiny-cpu", overrides: list[str] = [], experiment_name: str | None = None,
+def train(config: str = "base", overrides: list[str] = [], experiment_name: str | None = None,
           force_lock: bool = False) -> dict:
     """Train (or resume) one experiment: steps over epochs, each a `rl-step` subflow
     (flows.step.run_step_subflow), or with orchestration.step_subflow=false its stage tasks

@@ -7,7 +7,7 @@ from configs.schema import ConfigError, load_schema, parse_schema_text
 from flows.cli import main
 
 
-def refused(overrides, config=None) -> str:
+def refused(overrides, config="tiny-cpu") -> str:
     with pytest.raises(ConfigError) as info:
         load_config(config, overrides)
     return str(info.value)
@@ -40,7 +40,7 @@ def test_schema_tags_parse():
 
 
 def test_overrides_set_add_delete_and_interpolate():
-    cfg = load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=30",
+    cfg = load_config("tiny-cpu", ["actor_rollout_ref.actor.ppo_mini_batch_size=30",
                              "actor_rollout_ref.actor.optim.lr=1e-6",
                              "+data.apply_chat_template_kwargs.enable_thinking=false",
                              "++trainer.seed=7"])
@@ -48,9 +48,9 @@ def test_overrides_set_add_delete_and_interpolate():
     assert cfg["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-6
     assert cfg["data"]["apply_chat_template_kwargs"] == {"enable_thinking": False}
     assert cfg["trainer"]["seed"] == 7
-    cfg = load_config(None, ["~trainer.total_training_steps"])
+    cfg = load_config("tiny-cpu", ["~trainer.total_training_steps"])
     assert get_path(cfg, "trainer.total_training_steps", "gone") == "gone"
-    assert load_config(None, ["~trainer.total_training_steps", "+trainer.total_training_steps=5"])["trainer"][
+    assert load_config("tiny-cpu", ["~trainer.total_training_steps", "+trainer.total_training_steps=5"])["trainer"][
         "total_training_steps"] == 5
 
 
@@ -105,7 +105,7 @@ def test_config_file_on_top_of_base(tmp_path):
 
 
 def test_inert_and_deprecated_keys_warn_and_aliases_map():
-    cfg = load_config(None, ["data.dataloader_num_workers=2", "actor_rollout_ref.actor.ppo_micro_batch_size=60",
+    cfg = load_config("tiny-cpu", ["data.dataloader_num_workers=2", "actor_rollout_ref.actor.ppo_micro_batch_size=60",
                              "actor_rollout_ref.fsdp_config.offload_params=true"])
     text = "\n".join(cfg.warnings)
     assert "data.dataloader_num_workers=2 is accepted and ignored" in text
@@ -113,11 +113,11 @@ def test_inert_and_deprecated_keys_warn_and_aliases_map():
     assert "'actor_rollout_ref.fsdp_config.offload_params' is not a verl key" in text
     assert cfg["actor_rollout_ref"]["actor"]["fsdp_config"]["param_offload"] is True
     assert cfg["actor_rollout_ref"]["ref"]["fsdp_config"]["param_offload"] is True
-    assert load_config(None, []).warnings == []
+    assert load_config("tiny-cpu", []).warnings == []
 
 
 def test_kl_notice_and_clip_ratio_as_verl():
-    cfg = load_config(None, ["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.clip_ratio=0.3"])
+    cfg = load_config("tiny-cpu", ["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.clip_ratio=0.3"])
     assert "NOTICE: You have both enabled in-reward kl and kl loss." in cfg.warnings
     assert any("clip_ratio has no effect" in w for w in cfg.warnings)
 
@@ -126,7 +126,7 @@ def test_shipped_configs_load_clean():
     for name in ["base", "tiny-cpu", "gsm8k-qwen2.5-0.5b"]:
         cfg = load_config(name)
         assert cfg.warnings == [], name
-    tiny = load_config()
+    tiny = load_config("tiny-cpu")
     assert tiny["data"]["train_batch_size"] * tiny["actor_rollout_ref"]["rollout"]["n"] == 720
     assert tiny["trainer"]["n_gpus_per_node"] == 2 and tiny["storage"]["root"] == "./runs"
 
@@ -158,7 +158,7 @@ def test_cli_config_show_and_keys(capsys):
 def test_values_below_a_keys_bound_are_refused_before_start_up(override, needle, capsys):
     """Bounds come from base.yaml's <min N>/<above N> tags; `stagerl plan` exits 2 naming the key."""
     assert needle in refused([override])
-    assert main(["plan", override]) == 2
+    assert main(["plan", "--config", "tiny-cpu", override]) == 2
     assert needle in capsys.readouterr().err
 
 

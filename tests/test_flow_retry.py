@@ -326,7 +326,7 @@ def test_sigkilled_stagerl_train_takes_its_prefect_server_with_it(assets, tmp_pa
     env.update(PYTHONUNBUFFERED="1")
     log = tmp_path / "train.log"
     cli = [sys.executable, "-m", "flows.cli"]
-    proc = subprocess.Popen([*cli, "train", "--experiment", "k", *tiny_overrides(assets, root, 1)],
+    proc = subprocess.Popen([*cli, "train", "--config", "tiny-cpu", "--experiment", "k", *tiny_overrides(assets, root, 1)],
                             cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     server_pid = None

@@ -95,18 +95,18 @@ def test_cli_refuses_a_bad_plan_and_an_unknown_experiment(tmp_path):
         return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, text=True,
                               capture_output=True, timeout=120)
 
-    bad = cli("train", "data.train_batch_size=7", f"storage.root={tmp_path}")
+    bad = cli("train", "--config", "tiny-cpu", "data.train_batch_size=7", f"storage.root={tmp_path}")
     assert bad.returncode == 2 and "must be >= actor.ppo_mini_batch_size (15)" in bad.stdout
     assert "data.train_batch_size=15" in bad.stdout  # a value that works is suggested
     assert not (tmp_path / "stagerl").exists()  # refused before anything was written
-    sp = cli("train", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    sp = cli("train", "--config", "tiny-cpu", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
              "actor_rollout_ref.model.use_remove_padding=true", f"storage.root={tmp_path}")
     assert sp.returncode == 2 and ("error: actor_rollout_ref.actor.ulysses_sequence_parallel_size=2: "
                                    "sequence parallelism is planned as verl does") in sp.stdout, sp.stdout
     missing = cli("resume", "nope", "--root", str(tmp_path))
     assert missing.returncode == 2 and "no experiment 'nope'" in missing.stdout
     elsewhere = subprocess.run(  # tiny-cpu's relative paths, run from another folder
-        [sys.executable, "-m", "flows.cli", "train", f"storage.root={tmp_path}"], cwd=tmp_path,
+        [sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu", f"storage.root={tmp_path}"], cwd=tmp_path,
         text=True, capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert elsewhere.returncode == 2, elsewhere.stdout + elsewhere.stderr
     assert (f"error: actor_rollout_ref.model.path: ./runs/models/tiny is not a folder (looked for "
@@ -269,7 +269,7 @@ def reference_run(server, assets, tmp_path_factory):
     """The store root of an uninterrupted 2-step run (real stages, tiny overrides): copy it
     before changing anything."""
     root = tmp_path_factory.mktemp("reference")
-    ref = stagerl(server, ["train", "--experiment", "f", *tiny_overrides(assets, root)])
+    ref = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "f", *tiny_overrides(assets, root)])
     assert ref.returncode == 0, ref.stdout[-4000:]
     return root
 
@@ -329,7 +329,7 @@ def test_sigkill_inside_each_stage_then_resume_equals_uninterrupted(server, asse
     stages are not re-run (manifest times unchanged, shown as Cached), and the final weights equal
     the uninterrupted run's."""
     root = tmp_path / "runs"
-    args = ["train", "--experiment", "f", *tiny_overrides(assets, root)]
+    args = ["train", "--config", "tiny-cpu", "--experiment", "f", *tiny_overrides(assets, root)]
     store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "f")
     run = stagerl(server, args, fault=f"{STAGES[0]}:before_manifest@2")
     for i, stage in enumerate(STAGES):
@@ -360,7 +360,7 @@ def test_a_killed_prefect_server_stops_the_run_and_resume_completes(assets, tmp_
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "STAGERL_FAULT"}
     env.update(PYTHONUNBUFFERED="1")
     store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "f")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--experiment", "f",
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu", "--experiment", "f",
                              *tiny_overrides(assets, root)], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -397,7 +397,7 @@ def test_each_step_as_its_own_subflow(server, assets, tmp_path, reference_checks
     and no console line; `stagerl resume` says where they come from instead."""
     root = tmp_path / "runs"
     key, secret = "AKIAFAKEKEY7Q3Z9XW2M", "fakeSecret+9vQx/Zr7TtPpLmNnBbVvCcXx"
-    run = stagerl(server, ["train", "--experiment", "f", *tiny_overrides(assets, root),
+    run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "f", *tiny_overrides(assets, root),
                            "orchestration.step_subflow=true", f"storage.key={key}", f"storage.secret={secret}"])
     assert run.returncode == 0, run.stdout[-4000:]
     assert "Beginning subflow run 'step-2'" in run.stdout
@@ -432,7 +432,7 @@ def test_multi_pool_step_runs_stages_on_two_pools_and_retries_storage_errors(
     the inference and training pools' workers (the other stages in the flow's process); an
     injected storage error in reward is retried and the step completes."""
     root = tmp_path / "runs"
-    run = stagerl(server, ["train", "--experiment", "pools", *tiny_overrides(assets, root, 1),
+    run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "pools", *tiny_overrides(assets, root, 1),
                            "orchestration.mode=deployments"], toy=True,
                   fault="reward:start:storage@1")
     assert run.returncode == 0, run.stdout[-4000:]
@@ -445,14 +445,14 @@ def test_multi_pool_step_runs_stages_on_two_pools_and_retries_storage_errors(
 
 
 def test_stage_deployment_on_the_wrong_pool_is_refused(server, stage_pools, assets, tmp_path):
-    bad = stagerl(server, ["train", "--experiment", "pools", *tiny_overrides(assets, tmp_path, 1),
+    bad = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "pools", *tiny_overrides(assets, tmp_path, 1),
                            "orchestration.mode=deployments", "orchestration.update_pool=gpu"],
                   toy=True)
     assert bad.returncode == 1 and "orchestration.update_pool='gpu'" in bad.stdout
 
 
 def test_bad_input_is_not_retried(server, assets, tmp_path):
-    bad = stagerl(server, ["train", "--experiment", "bad", *tiny_overrides(assets, tmp_path, 1)],
+    bad = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "bad", *tiny_overrides(assets, tmp_path, 1)],
                   toy=True, fault="advantage:start:value")
     assert bad.returncode == 1 and "injected bad input at advantage:start" in bad.stdout
     assert "Retry 1/" not in bad.stdout

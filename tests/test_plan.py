@@ -65,11 +65,11 @@ PPO_SP2 = GSM8K_COMMON + ["data.max_response_length=512", "actor_rollout_ref.mod
                           "critic.model.use_remove_padding=True", "critic.ppo_micro_batch_size_per_gpu=64"]
 
 
-def plan_of(overrides, config=None):
+def plan_of(overrides, config="tiny-cpu"):
     return make_plan(load_config(config, overrides))
 
 
-def refusal(overrides, config=None) -> PlanError:
+def refusal(overrides, config="tiny-cpu") -> PlanError:
     with pytest.raises(PlanError) as info:
         plan_of(overrides, config)
     return info.value
@@ -77,13 +77,13 @@ def refusal(overrides, config=None) -> PlanError:
 
 # (name, config, overrides, expected actor numbers, expected rollout numbers, ref passes or None, critic or None)
 CASES = [
-    ("worked example A", None, EXAMPLE_A,
+    ("worked example A", "tiny-cpu", EXAMPLE_A,
      dict(dp_size=6, samples_per_dp_rank=120, ppo_mini_batch_size_per_gpu=120, ppo_micro_batch_size_per_gpu=4,
           grad_accum_steps=30, num_mini_batches=1, optimizer_steps_per_step=1, on_policy=True),
      dict(num_replicas=3, prompts_per_replica=20, rows_per_replica=240, log_prob_micro_batch_size_per_gpu=8,
           log_prob_micro_batches_per_rank=15), 2, None),
     # verl checks the unnormalised mini (60 prompts) % global micro, so 24 is refused; 12 -> 2
-    ("A with deprecated globals (12 -> 2, 8 -> 1)", None,
+    ("A with deprecated globals (12 -> 2, 8 -> 1)", "tiny-cpu",
      EXAMPLE_A[:4] + [f"{A}ppo_micro_batch_size=12", f"{R}log_prob_micro_batch_size=8",
                       f"{R}log_prob_micro_batch_size_per_gpu=null", f"{A}ppo_micro_batch_size_per_gpu=null",
                       f"{R}tensor_model_parallel_size=2"],
@@ -105,7 +105,7 @@ CASES = [
      dict(dp_size=1, samples_per_dp_rank=1, ppo_mini_batch_size_per_gpu=1, grad_accum_steps=1),
      dict(num_replicas=1, log_prob_micro_batches_per_rank=1), None,
      dict(ppo_mini_batch_size_per_gpu=1, grad_accum_steps=1, value_forward_passes_per_rank=1)),
-    ("seed C: token budget 16384", None, SEED_C,
+    ("seed C: token budget 16384", "tiny-cpu", SEED_C,
      dict(samples_per_dp_rank=120, ppo_mini_batch_size_per_gpu=120, ppo_micro_batch_size_per_gpu=None,
           grad_accum_steps=None, use_dynamic_bsz=True, max_token_len_per_micro_batch=16384),
      dict(num_replicas=3, log_prob_use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=16384,
@@ -134,11 +134,11 @@ CASES = [
           num_mini_batches=4, optimizer_steps_per_step=4),
      dict(num_replicas=1, log_prob_micro_batches_per_rank=32), None,
      dict(ppo_mini_batch_size_per_gpu=64, grad_accum_steps=16, value_forward_passes_per_rank=64)),
-    ("tiny-cpu default", None, [],
+    ("tiny-cpu default", "tiny-cpu", [],
      dict(dp_size=2, samples_per_dp_rank=360, ppo_mini_batch_size_per_gpu=90, ppo_micro_batch_size_per_gpu=30,
           grad_accum_steps=3, num_mini_batches=4, optimizer_steps_per_step=4, on_policy=False),
      dict(num_replicas=2, prompts_per_replica=30, rows_per_replica=360, log_prob_micro_batches_per_rank=6), 6, None),
-    ("two epochs, two mini-batches", None, EXAMPLE_A[:3] + [f"{A}ppo_mini_batch_size=30", f"{A}ppo_epochs=2",
+    ("two epochs, two mini-batches", "tiny-cpu", EXAMPLE_A[:3] + [f"{A}ppo_mini_batch_size=30", f"{A}ppo_epochs=2",
                                                           f"{A}ppo_micro_batch_size_per_gpu=6"],
      dict(samples_per_dp_rank=120, ppo_mini_batch_size_per_gpu=60, grad_accum_steps=10, num_mini_batches=2,
           ppo_epochs=2, optimizer_steps_per_step=4, on_policy=False),
@@ -164,7 +164,7 @@ CASES = [
     ("RLOO with KL in reward needs the reference", "base",
      GRPO_DEEPSEEK + ["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True", f"{A}use_kl_loss=False"],
      dict(samples_per_dp_rank=640), dict(log_prob_micro_batches_per_rank=20), 20, None),
-    ("uneven prompts per replica", None, ["trainer.n_gpus_per_node=8", f"{A}ppo_mini_batch_size=60",
+    ("uneven prompts per replica", "tiny-cpu", ["trainer.n_gpus_per_node=8", f"{A}ppo_mini_batch_size=60",
                                           f"{A}ppo_micro_batch_size_per_gpu=5",
                                           f"{R}log_prob_micro_batch_size_per_gpu=9", f"{REF}log_prob_micro_batch_size_per_gpu=9"],
      dict(samples_per_dp_rank=90, ppo_mini_batch_size_per_gpu=90, grad_accum_steps=18),
@@ -290,15 +290,15 @@ def test_refusal_suggests_removing_a_deprecated_key():
 # ---- the command line ----
 
 def test_cli_plan_text_shows_the_derivation(capsys):
-    assert main(["plan", *EXAMPLE_A]) == 0
+    assert main(["plan", "--config", "tiny-cpu", *EXAMPLE_A]) == 0
     out = capsys.readouterr().out
     for needle in ["720   = 60 prompts × rollout.n 12", "120   = 720 ÷ dp 6", "30   = 120 ÷ 4",
-                   "15   = ceil(120 ÷ 8)", "3   = world 6 ÷ (TP 2", "20   = ceil(60 ÷ 3)", "240   = 20 × n 12"]:
+                   "Old log-prob: no separate pass (one mini-batch, one epoch", "3   = world 6 ÷ (TP 2", "20   = ceil(60 ÷ 3)", "240   = 20 × n 12"]:
         assert needle in out, needle
 
 
 def test_cli_plan_json_keys(capsys):
-    assert main(["plan", "--json", *EXAMPLE_A]) == 0
+    assert main(["plan", "--config", "tiny-cpu", "--json", *EXAMPLE_A]) == 0
     plan = json.loads(capsys.readouterr().out)
     for key in ["n_gpus", "prompts_per_step", "rows_per_step", "actor", "critic", "rollout", "ref", "warnings"]:
         assert key in plan
@@ -313,19 +313,25 @@ def test_cli_plan_json_keys(capsys):
 
 
 def test_cli_refusal_exits_2_with_json_error(capsys):
-    assert main(["plan", "--json", *EXAMPLE_A, "trainer.n_gpus_per_node=7"]) == 2
+    assert main(["plan", "--config", "tiny-cpu", "--json", *EXAMPLE_A, "trainer.n_gpus_per_node=7"]) == 2
     captured = capsys.readouterr()
     assert "must be divisible by minimal possible batch size (7" in captured.err
     assert json.loads(captured.out)["suggestions"]["trainer.n_gpus_per_node"] == [6, 4, 10]
 
 
 def test_cli_plan_accepts_the_seed_command_lines(capsys):
+    """A verl command line with only the entry point changed: without --config, verl's defaults
+    fill what it leaves out (seed A: rollout.n 1, GAE with a critic), and the plan says so."""
     assert main(["plan", *SEED_A]) == 0
-    assert main(["plan", "--config", "base", *SEED_A]) == 0
-    assert main(["plan", *SEED_C]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Batch plan (config: base, verl's defaults + ")
+    assert "1   = 1 prompts × rollout.n 1" in out and "Critic (value model): starts from" in out
+    plan = make_plan(load_config(None, SEED_A))
+    assert plan["rollout_n"] == 1 and plan["critic"] and load_config(None, SEED_A)["algorithm"]["adv_estimator"] == "gae"
+    assert main(["plan", "--config", "tiny-cpu", *SEED_C]) == 0
     assert "token budget per micro-batch" in capsys.readouterr().out
 
 
 def test_compute_plan_is_pure():
-    cfg = load_config(None, EXAMPLE_A)
+    cfg = load_config("tiny-cpu", EXAMPLE_A)
     assert compute_plan(cfg) == compute_plan(cfg)

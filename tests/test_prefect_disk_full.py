@@ -46,7 +46,7 @@ def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "STAGERL_"))}
     env.update(PREFECT_HOME=str(small_disk / "prefect"), PYTHONUNBUFFERED="1")
     cli = [sys.executable, "-m", "flows.cli"]
-    args = ["train", "--experiment", "d", *tiny_overrides(assets, root, steps=4)]
+    args = ["train", "--config", "tiny-cpu", "--experiment", "d", *tiny_overrides(assets, root, steps=4)]
     proc = subprocess.Popen([*cli, *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "d")

@@ -39,7 +39,7 @@ def assets(tmp_path_factory):
 
 
 def train(env, root: str, assets, tmp_path, experiment: str):
-    args = ["train", "--experiment", experiment, *tiny_overrides(assets, tmp_path / "unused"),
+    args = ["train", "--config", "tiny-cpu", "--experiment", experiment, *tiny_overrides(assets, tmp_path / "unused"),
             *TWO_RANKS, f"storage.root={root}", f"storage.cache_dir={tmp_path / experiment}-cache"]
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path, env=env,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -14,7 +14,7 @@ from storage.artifacts import read_manifest
 def test_warmstart_writes_step0_weights_that_step1_samples_from(tmp_path):
     model_dir = save_tiny_model(tmp_path / "tiny", seed=3)
     data = write_rows(make_arith_dataset(40, seed=1, difficulty=1, split="train"), tmp_path / "train.parquet")
-    cfg = load_config(None, [f"storage.root={tmp_path / 'store'}", f"actor_rollout_ref.model.path={model_dir}",
+    cfg = load_config("tiny-cpu", [f"storage.root={tmp_path / 'store'}", f"actor_rollout_ref.model.path={model_dir}",
                              f"data.train_files={data}", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "warmstart.enable=true",
                              "warmstart.steps=30", "warmstart.batch_size=8", "warmstart.lr=3e-3"])
