@@ -96,8 +96,11 @@ def print_stage(name: str, sec: dict) -> None:
         print(f"    finish_reason:   {_kv(sec['finish_reason'])}")
     elif name == "logprob":
         print(f"    {_kv(sec['metrics'])}")
-        if sec["loads"]:
-            print(f"    loads: {sec['loads']}")
+        for role, per_rank in (sec["loads"].get("loads") or {}).items():
+            for rank, load in enumerate(per_rank):
+                print(f"    load {role} rank {rank}: {_kv(load) if isinstance(load, dict) else load}")
+        for rank, timings in enumerate(sec["loads"].get("rank_timings") or []):
+            print(f"    rank {rank} timings: {_kv(timings) if isinstance(timings, dict) else timings}")
     elif name == "reward":
         print(f"    score: {_kv(sec['score'])}  acc={_fmt(sec['acc_mean'])}"
               + (f"  errors={sec['errors']}" if "errors" in sec else ""))

@@ -95,6 +95,7 @@ def test_inspect_text_and_overview(run, capsys):
     assert "step 3: no manifest yet for logprob, reward, advantage, update" in out
     code, out, _ = cli(capsys, "inspect", "demo", "--root", str(run), "--step", "2")
     assert code == 0 and "rank 1: 3 rows, 1 micro-batches" in out and "best " in out
+    assert "    load actor rank 1: rank=1  rows=3" in out and "{'" not in out  # no raw dicts
     code, out, _ = cli(capsys, "inspect", "demo", "--root", str(run), "--step", "3",
                        "--stage", "rollout", "--json")
     assert code == 0 and list(json.loads(out)["stages"]) == ["rollout"]
@@ -189,6 +190,9 @@ def test_plot_writes_pngs_with_labelled_axes(run, capsys):
     import matplotlib.image as mpimg
 
     code, out, _ = cli(capsys, "plot", "demo", "--root", str(run), "--json")
+    assert code == 0  # by default: the overview and the last step with a rollout
+    assert {w["name"] for w in json.loads(out)} == {"metrics.png", "response_length_step000003.png"}
+    code, out, _ = cli(capsys, "plot", "demo", "--root", str(run), "--json", "--all")
     assert code == 0
     written = {w["name"]: w for w in json.loads(out)}
     assert set(written) == {"metrics.png", "response_length_step000001.png",
