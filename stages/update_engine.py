@@ -102,13 +102,25 @@ def set_lr(engine, lr: float) -> None:
         group["lr"] = lr
 
 
-def save_state(engine, folder: Path, rank: int) -> None:
-    """DeepSpeed checkpoint (module, optimizer partitions) + this rank's RNG states."""
-    engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG)
+def rng_state() -> dict:
+    """This process's RNG states (CPU, and every CUDA device when there is one): what a step
+    saves into train_state and what a rank keeps beside a kept engine."""
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, Path(folder) / f"rng_rank{rank}.pt")
+    return rng
+
+
+def restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def save_state(engine, folder: Path, rank: int) -> None:
+    """DeepSpeed checkpoint (module, optimizer partitions) + this rank's RNG states."""
+    engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG)
+    torch.save(rng_state(), Path(folder) / f"rng_rank{rank}.pt")
 
 
 def load_state(engine, folder: Path, rank: int) -> None:
@@ -122,10 +134,7 @@ def load_state(engine, folder: Path, rank: int) -> None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder} (world size changed?)")
     rng_file = folder / f"rng_rank{rank}.pt"
     if rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        restore_rng(torch.load(rng_file, weights_only=False))
 
 
 def full_fp32_state_dict(engine) -> dict:

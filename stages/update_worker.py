@@ -37,11 +37,8 @@ import torch
 import torch.distributed as dist
 
 from stages import batching, binning, update_engine
-from stages.kl import kl_penalty
-from stages.losses import agg_loss, compute_value_loss, get_policy_loss
 from stages.progress import progress
-
-ACTOR = "actor_rollout_ref.actor"
+from stages.update_roles import ACTOR, ActorRole, planned_roles
 
 
 def _all_sum(values: list[float], device) -> list[float]:
@@ -51,63 +48,32 @@ def _all_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-class Role:
-    """Config and plan of one trained model (actor or critic)."""
-
-    def __init__(self, ctx, name: str):
-        self.name = name
-        prefix = ACTOR if name == "actor" else "critic"
-        self.prefix = prefix
-        self.cfg = ctx.get(prefix)
-        self.plan = ctx.plan[name]
-        offload = (ctx.get(f"{ACTOR}.fsdp_config") if name == "actor"
-                   else ctx.get("critic.model.fsdp_config")) or {}
-        where = f"{ACTOR}.fsdp_config" if name == "actor" else "critic.model.fsdp_config"
-        self.ds_config = update_engine.deepspeed_config(
-            ctx.get(f"{ACTOR}.deepspeed.zero_stage"), ctx.get(f"{ACTOR}.deepspeed.dtype"),
-            self.cfg.get("grad_clip", 1.0), bool(offload.get("param_offload")),
-            bool(offload.get("optimizer_offload")), where)
-        self.loss_agg_mode = self.cfg["loss_agg_mode"]
-
-
 class UpdateJob:
     """Engines of one rank; `train_step(ctx)` trains on a step's rows and may be called again
     with the next step's context (what two consecutive update jobs do through train_state/)."""
 
     def __init__(self, ctx, rank: int, world: int, device: str = "cpu"):
-        from stages.models import load_critic, load_policy, load_tokenizer
+        from stages.models import load_tokenizer
 
         self.rank, self.world, self.device = rank, world, device
         self.forward_values = None  # {row: (old log-probs, entropy)} while train_step keeps them
-        self.dtype = ctx.get(f"{ACTOR}.deepspeed.dtype")
-        model_dtype = "bf16" if self.dtype == "bf16" else "fp32"
+        model_dtype = "bf16" if ctx.get(f"{ACTOR}.deepspeed.dtype") == "bf16" else "fp32"
         self.init_path = ctx.reference_weights()
         self.pad_id = load_tokenizer(self.init_path).pad_token_id
-        self.actor = Role(ctx, "actor")
+        self.roles = planned_roles(ctx)  # verl's order: critic first
+        self.actor = next(r for r in self.roles if isinstance(r, ActorRole))
         torch.manual_seed(ctx.seed("update"))
-        policy = load_policy(self.init_path, model_dtype, device)
-        policy.train()
-        self.actor.engine, _ = update_engine.make_engine(policy, self.actor.cfg["optim"], self.actor.ds_config)
-        self.critic = None
-        if ctx.plan.get("critic"):
-            self.critic = Role(ctx, "critic")
-            critic = load_critic(os.path.expanduser(ctx.get("critic.model.path")), model_dtype, device,
-                                 seed=ctx.get("trainer.seed"))
-            critic.train()
-            self.critic.engine, _ = update_engine.make_engine(critic, self.critic.cfg["optim"],
-                                                              self.critic.ds_config)
-
-    def roles(self):
-        return [r for r in (self.critic, self.actor) if r is not None]  # verl: critic first
+        for role in sorted(self.roles, key=lambda r: r is not self.actor):  # built actor first
+            role.build(ctx, self.init_path, model_dtype, device)
 
     def load_state(self, dirs: dict) -> None:
-        for role in self.roles():
+        for role in self.roles:
             if dirs.get(role.name):
                 update_engine.load_state(role.engine, Path(dirs[role.name]), self.rank)
 
     def save_state(self, work_dir: Path) -> dict:
         out = {}
-        for role in self.roles():
+        for role in self.roles:
             folder = Path(work_dir) / f"{role.name}_state"
             update_engine.save_state(role.engine, folder, self.rank)
             out[role.name] = str(folder)
@@ -115,10 +81,10 @@ class UpdateJob:
 
     def export(self, work_dir: Path) -> dict:
         out = {}
-        for role in self.roles():
+        for role in self.roles:
             folder = Path(work_dir) / f"{role.name}_hf"
             update_engine.export_hf(role.engine, folder, self.rank,
-                                    tokenizer_from=self.init_path if role.name == "actor" else None)
+                                    tokenizer_from=self.init_path if role.exports_tokenizer else None)
             out[role.name] = str(folder)
         return out
 
@@ -143,12 +109,8 @@ class UpdateJob:
             parts = [list(range(r * per, (r + 1) * per)) for r in range(dp)]
         cols = {"prompt_ids": "rollout", "response_ids": "rollout", "advantages": "advantage",
                 "returns": "advantage"}
-        if not self.actor.plan["on_policy"]:  # on-policy: the update's own forward, detached
-            cols["old_log_probs"] = "logprob"
-        if self.actor.cfg.get("use_kl_loss"):  # no KL loss: no reference model (as verl)
-            cols["ref_log_probs"] = "logprob"
-        if self.critic is not None:
-            cols["values"] = "logprob"
+        for role in self.roles:
+            cols.update(role.columns())
         for c, t in cols.items():
             if c not in tables[t]:
                 raise ValueError(f"step {ctx.step}: {t}.parquet has no {c!r} column, needed by the update")
@@ -168,11 +130,11 @@ class UpdateJob:
         self.forward_values = None if ctx.plan["rollout"].get("old_log_prob_pass", True) else {}
         total = ctx.extra.get("total_training_steps") or ctx.get("trainer.total_training_steps")
         metrics, records = {}, []
-        for role in self.roles():
+        for role in self.roles:
             lr = update_engine.step_lr(role.cfg["optim"], ctx.step, total, f"{role.prefix}.optim")
             update_engine.set_lr(role.engine, lr)
-            if role.name == "actor" and ctx.step < (ctx.get("trainer.critic_warmup") or 0):
-                continue  # verl: the actor waits for the critic's warm-up steps
+            if not role.trains_at(ctx):
+                continue
             m, rec = self._train_role(ctx, role, rows)
             m[f"{role.name}/lr"] = lr
             metrics.update(m)
@@ -186,11 +148,11 @@ class UpdateJob:
             self.forward_values = None
         return out
 
-    def _train_role(self, ctx, role: Role, rows: list[dict]):
+    def _train_role(self, ctx, role, rows: list[dict]):
         plan, engine = role.plan, role.engine
         dp = plan["dp_size"]
         mini = plan["ppo_mini_batch_size_per_gpu"]
-        gen = torch.Generator().manual_seed(ctx.seed("update") + (1 if role.name == "critic" else 0))
+        gen = torch.Generator().manual_seed(ctx.seed("update") + role.seed_offset)
         sums: dict[str, float] = {}
         grad_norms, skipped, steps, records = [], 0, 0, []
         bar = progress(f"update {role.name}", total=plan["ppo_epochs"] * -(-len(rows) // mini),
@@ -219,18 +181,17 @@ class UpdateJob:
         bar.close()
         return self._role_metrics(role, sums, grad_norms, skipped, steps), records
 
-    def _mini_batch(self, ctx, role: Role, mini_rows, dp, epoch, mb_index, records) -> dict:
+    def _mini_batch(self, ctx, role, mini_rows, dp, epoch, mb_index, records) -> dict:
         plan, engine = role.plan, role.engine
         resp = [len(r["response_ids"]) for r in mini_rows]
         global_tokens, global_rows = _all_sum([sum(resp), sum(1 for n in resp if n > 0)], "cpu")
         if global_tokens <= 0:
             raise ValueError(f"step {ctx.step}: a {role.name} mini-batch has no response tokens on any rank")
         dynamic = plan["use_dynamic_bsz"]
-        model_key = "critic.model" if role.name == "critic" else "actor_rollout_ref.model"
         micro = binning.micro_batches(  # the logprob stage's grouping: a token budget always packs
             [len(r["prompt_ids"]) + n for r, n in zip(mini_rows, resp)],
             rows_per_micro=plan["ppo_micro_batch_size_per_gpu"], budget=plan["max_token_len_per_micro_batch"],
-            dynamic=dynamic, packed=dynamic or bool(ctx.get(f"{model_key}.use_remove_padding")),
+            dynamic=dynamic, packed=dynamic or bool(ctx.get(f"{role.model_key}.use_remove_padding")),
             budget_key=f"{role.prefix}.ppo_max_token_len_per_gpu")
         agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
                "loss_scale_factor": ctx.get("data.max_response_length")}
@@ -239,8 +200,7 @@ class UpdateJob:
             part = [mini_rows[i] for i in binning.rows_of(idx)]
             batch = binning.collate_bins([[mini_rows[i] for i in b] for b in idx], self.pad_id, self.device)
             engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
-            loss, micro_stats = (self._actor_loss if role.name == "actor" else self._critic_loss)(
-                ctx, role, part, batch, agg)
+            loss, micro_stats = role.loss(ctx, self, part, batch, agg)
             engine.backward(loss, scale_wrt_gas=False)
             tokens = float(batch["response_mask"].sum())
             for k, v in micro_stats.items():
@@ -251,56 +211,17 @@ class UpdateJob:
                             "real_tokens": int(batch["real_tokens"]), "padded_tokens": int(batch["padded_tokens"])})
         return stats
 
-    def _per_token(self, part, key, width):
+    def per_token(self, part, key, width):
+        """Column `key` of the micro-batch's rows as a [rows, width] tensor on this rank's device."""
         return batching.pad_per_token([r[key] for r in part], width, device=self.device)
 
-    def _actor_loss(self, ctx, role, part, batch, agg):
-        from stages.models import response_log_probs
-
-        cfg, R = role.cfg, batch["response_width"]
-        mask = batch["response_mask"].float()
-        tokens = float(mask.sum())
-        log_prob, entropy = response_log_probs(role.engine.module, batch, ctx.get("actor_rollout_ref.rollout.temperature"),
-                                               with_entropy=True)
-        old = log_prob.detach() if role.plan["on_policy"] else self._per_token(part, "old_log_probs", R)
-        if self.forward_values is not None:  # this forward replaces the old-log-prob pass: keep it
-            for j, row in enumerate(part):
-                n = len(row["response_ids"])
-                self.forward_values[row["index"]] = (old[j, :n].tolist(), entropy[j, :n].detach().tolist())
-        adv = self._per_token(part, "advantages", R)
-        policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
-        clip = cfg.get("clip_ratio", 0.2)
-        low = cfg.get("clip_ratio_low") if cfg.get("clip_ratio_low") is not None else clip
-        high = cfg.get("clip_ratio_high") if cfg.get("clip_ratio_high") is not None else clip
-        mode = role.loss_agg_mode
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-            old, log_prob, adv, mask, clip_ratio_low=low, clip_ratio_high=high,
-            clip_ratio_c=cfg.get("clip_ratio_c", 3.0), loss_agg_mode=mode, **agg)
-        loss = pg_loss
-        stats = {"pg_loss": pg_loss.item() / agg["dp_size"], "pg_clipfrac": clipfrac.item() * tokens,
-                 "ppo_kl": ppo_kl.item() * tokens, "pg_clipfrac_lower": clipfrac_lower.item() * tokens,
-                 "entropy": float((entropy.detach() * mask).sum())}
-        if cfg.get("entropy_coeff", 0.0):
-            loss = loss - cfg["entropy_coeff"] * agg_loss(entropy, mask, mode, **agg)
-        if cfg.get("use_kl_loss"):
-            ref = self._per_token(part, "ref_log_probs", R)
-            kl = agg_loss(kl_penalty(log_prob, ref, cfg["kl_loss_type"]), mask, mode, **agg)
-            loss = loss + cfg["kl_loss_coef"] * kl
-            stats["kl_loss"] = kl.item() / agg["dp_size"]
-        return loss, stats
-
-    def _critic_loss(self, ctx, role, part, batch, agg):
-        from stages.models import response_values
-
-        R = batch["response_width"]
-        mask = batch["response_mask"].float()
-        vpreds = response_values(role.engine.module, batch)
-        vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds, self._per_token(part, "returns", R), self._per_token(part, "values", R), mask,
-            cliprange_value=role.cfg.get("cliprange_value", 0.5), loss_agg_mode=role.loss_agg_mode, **agg)
-        tokens = float(mask.sum())
-        return vf_loss, {"vf_loss": vf_loss.item() / agg["dp_size"], "vf_clipfrac": vf_clipfrac.item() * tokens,
-                         "vpred_mean": float((vpreds.detach() * mask).sum())}
+    def keep_forward(self, part, old, entropy) -> None:
+        """The actor's forward replaces the old-log-prob pass: keep its values per row."""
+        if self.forward_values is None:
+            return
+        for j, row in enumerate(part):
+            n = len(row["response_ids"])
+            self.forward_values[row["index"]] = (old[j, :n].tolist(), entropy[j, :n].detach().tolist())
 
     def _role_metrics(self, role, sums, grad_norms, skipped, steps) -> dict:
         keys = sorted(sums)
@@ -331,13 +252,6 @@ def _job_key(ctx, world: int) -> str:
                         "config": {k: ctx.get(k) for k in CONFIG_KEYS + ("warmstart.enable", "trainer.seed")}})
 
 
-def _rng_state() -> dict:
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
 def _prepare(ctx, rank: int, world: int, device: str, key, t0: float) -> dict:
     """Build the engines step ctx.step will train with (and load the previous step's state), then
     keep them as if that step's predecessor had just trained: the step reuses them. A training
@@ -352,9 +266,9 @@ def _prepare(ctx, rank: int, world: int, device: str, key, t0: float) -> dict:
     if ctx.step > 1:
         from stages.update import previous_state
 
-        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles()})
+        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles})
     _KEPT.clear()
-    _KEPT[key] = (job, ctx.step - 1, _rng_state())
+    _KEPT[key] = (job, ctx.step - 1, update_engine.rng_state())
     return {"rank": rank, "prepared": True, "prepare_s": round(time.perf_counter() - t0, 3)}
 
 
@@ -382,9 +296,7 @@ def _take_kept_job(ctx, key: str):
     if entry is None or entry[1] != ctx.step - 1:
         return None
     job, _, rng = entry
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    update_engine.restore_rng(rng)
     return job
 
 
@@ -416,13 +328,13 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     if not reused and ctx.step > 1:  # no engine kept from step k-1: its checkpoint, from the store
         from stages.update import previous_state
 
-        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles()})
+        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles})
     t2 = time.perf_counter()
     out = job.train_step(ctx)
     t3 = time.perf_counter()
     work = Path(ctx.extra["update_work_dir"])
     job.save_state(work)
-    rng = _rng_state()  # what save_state wrote into rng_rank<r>.pt
+    rng = update_engine.rng_state()  # what save_state wrote into rng_rank<r>.pt
     job.export(work)
     t4 = time.perf_counter()
     if keep:
