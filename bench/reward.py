@@ -23,7 +23,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"
 sys.path.insert(0, str(REPO))
 
 from stages.data_tools import make_arith_dataset  # noqa: E402
-from stages.reward_fns import score_batch  # noqa: E402
+from stages.scorer_pool import score_batch  # noqa: E402
 from stages.scorer_pool import ScorerPool  # noqa: E402
 
 

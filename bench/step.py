@@ -72,12 +72,12 @@ def main() -> int:
         rec["logged"][step] = dict(metrics)
         return original_log(self, step, metrics)
 
-    def timed_publish(run_uri, step, summaries):  # Prefect artifacts, in the background
+    def timed_publish(ctx, summaries):  # Prefect artifacts, in the background
         t = time.perf_counter()
         try:
-            return original_publish(run_uri, step, summaries)
+            return original_publish(ctx, summaries)
         finally:
-            rec["publish"][step] = time.perf_counter() - t
+            rec["publish"][ctx.step] = time.perf_counter() - t
 
     def timed_subflow(run_uri, step, extra=None):
         t = time.perf_counter()

@@ -188,27 +188,6 @@ def run_train(args) -> int:
     return _run_flow(args.config, args.overrides, args.experiment, args.force_lock)
 
 
-def find_run(store, name: str):
-    """(project, experiment) of EXPERIMENT or PROJECT/EXPERIMENT that has a run.json."""
-    from storage.layout import RunLayout
-
-    if "/" in name:
-        project, experiment = name.split("/", 1)
-        candidates = [(project, experiment)]
-    else:
-        candidates = [(p, name) for p in store.list("")]
-    try:
-        found = [c for c in candidates if store.exists(RunLayout(*c).run_json)]
-    except ValueError as exc:  # storage.layout.InvalidName: '..', '/', empty parts
-        raise LookupError(f"experiment {name!r}: {exc}") from None
-    if not found:
-        raise LookupError(f"no experiment {name!r} with a run.json under {store.url('')}")
-    if len(found) > 1:
-        raise LookupError(f"experiment {name!r} exists in several projects "
-                          f"({', '.join(p for p, _ in found)}): give PROJECT/EXPERIMENT")
-    return found[0]
-
-
 def resume_arguments(doc: dict, root: str | None) -> tuple[str, list, str]:
     """(config, overrides, experiment_name) that recreate the run's config from its run.json."""
     from storage.secrets import is_scrubbed_override
@@ -231,7 +210,7 @@ def run_resume(args) -> int:
     root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
     store = Store.from_config({"root": root})
     try:
-        project, experiment = find_run(store, args.experiment)
+        project, experiment = RunLayout.find(store, args.experiment)
     except LookupError as exc:
         print(f"error: {exc}")
         return 2

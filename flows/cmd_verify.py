@@ -35,7 +35,6 @@ def check_run(store, project: str, experiment: str, root: str) -> bool:
 
 
 def run(args) -> int:
-    from flows.cmd_train import find_run
     from storage.layout import RunLayout
     from storage.store import Store
     from storage.verify import repair, verify_run
@@ -43,7 +42,7 @@ def run(args) -> int:
     root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
     store = Store.from_config({"root": root})
     try:
-        project, experiment = find_run(store, args.experiment)
+        project, experiment = RunLayout.find(store, args.experiment)
     except LookupError as exc:
         print(f"error: {exc}")
         return 2

@@ -260,9 +260,9 @@ def rl_step(run_uri: str, step: int, extra: dict | None = None, publish: bool = 
         summaries[stage] = task_result(run_task(stage, run_uri, step, extra, remote.get(stage),
                                             return_state=True))
     if publish and background_publish:
-        step_report.PUBLISHER.submit(run_uri, step, summaries)
+        step_report.PUBLISHER.submit(make_context(run_uri, step), summaries)
     elif publish:
-        step_report.publish_step(run_uri, step, summaries)
+        step_report.publish_step(make_context(run_uri, step), summaries)
     return summaries
 
 

@@ -21,11 +21,11 @@ class _BackgroundPublisher:
         self.thread = None
         self.pending = None
 
-    def submit(self, run_uri: str, step: int, summaries: dict) -> None:
+    def submit(self, ctx, summaries: dict) -> None:
         import contextvars
 
         self.wait()
-        self.pending = (contextvars.copy_context(), run_uri, step, summaries)
+        self.pending = (contextvars.copy_context(), ctx, summaries)
 
     def start(self) -> None:
         """Start publishing what submit() recorded, in a thread."""
@@ -36,18 +36,23 @@ class _BackgroundPublisher:
         context, *args = self.pending
         self.pending = None
         self.thread = threading.Thread(target=context.run, args=(self._publish, *args),
-                                       name=f"publish-step-{args[1]}", daemon=True)
+                                       name=f"publish-step-{args[0].step}", daemon=True)
         self.thread.start()
 
     @staticmethod
-    def _publish(run_uri: str, step: int, summaries: dict) -> None:
-        from flows.step import logger
-
+    def _publish(ctx, summaries: dict) -> None:
         try:
-            publish_step(run_uri, step, summaries)
+            publish_step(ctx, summaries)
         except Exception as exc:  # noqa: BLE001 - see the class docstring
-            logger().warning(f"step {step}: Prefect artifacts not published "
-                             f"({type(exc).__name__}: {exc})")
+            import logging
+
+            from prefect import get_run_logger
+
+            try:
+                log = get_run_logger()
+            except Exception:  # noqa: BLE001 - outside a flow run
+                log = logging.getLogger("stagerl")
+            log.warning(f"step {ctx.step}: Prefect artifacts not published ({type(exc).__name__}: {exc})")
 
     def wait(self, timeout_s: float = 120.0) -> None:
         self.start()
@@ -116,15 +121,13 @@ def sample_rows(ctx, n: int = 3) -> list[dict]:
             for r, w in zip(rollout, reward)]
 
 
-def publish_step(run_uri: str, step: int, summaries: dict) -> dict:
+def publish_step(ctx, summaries: dict) -> dict:
     """A markdown artifact (metrics, timings, samples), a table of samples and a link per stage
     parquet, keyed per experiment so Prefect versions them over steps."""
     from prefect.artifacts import (create_link_artifact, create_markdown_artifact,
                                    create_table_artifact)
 
-    from flows.step import make_context
-
-    ctx = make_context(run_uri, step)
+    step = ctx.step
     slug = artifact_slug(ctx.layout)
     metrics = step_metrics(ctx, summaries)
     samples = sample_rows(ctx)

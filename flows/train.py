@@ -18,7 +18,8 @@ from flows.step import (check_stage_deployments, is_retryable, logger, make_cont
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from configs.local_paths import check_local_paths
 from configs.plan import check_trainable
-from flows.step_report import log_line, step_metrics, wait_published
+from flows.metric_sinks import MetricSinks, check_sinks
+from flows.step_report import step_metrics, wait_published
 from stages.launch import forget_inherited_rank_env
 from stages.scratch import process_alive, remove_orphans
 from storage.secrets import scrub_override, secret_overrides_from_env
@@ -195,39 +196,6 @@ def prune_weights(store: Store, layout: RunLayout, latest: int, cfg: dict) -> li
 
 
 # ---- logging --------------------------------------------------------------------------------
-class MetricSinks:
-    """trainer.logger: console (one verl-style line per step), tensorboard (if installed)."""
-
-    def __init__(self, cfg: dict):
-        names = cfg["trainer"]["logger"]
-        self.names = [names] if isinstance(names, str) else list(names)
-        self.writer = None
-        if "tensorboard" in self.names:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                folder = os.environ.get("TENSORBOARD_DIR") or os.path.join(
-                    "tensorboard_log", cfg["trainer"]["project_name"], cfg["trainer"]["experiment_name"])
-                self.writer = SummaryWriter(folder)
-            except ImportError:
-                logger().warning("trainer.logger has tensorboard but the tensorboard package is "
-                                 "not installed: `pip install tensorboard`; logging to console only")
-        if "wandb" in self.names:
-            logger().warning("trainer.logger has wandb: not supported by stagerl yet, ignored "
-                             "(metrics are in the store and in Prefect artifacts)")
-
-    def log(self, step: int, metrics: dict) -> None:
-        if "console" in self.names:
-            print(log_line(step, metrics), flush=True)
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, step)
-            self.writer.flush()
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
-
-
 def validate(run_uri: str, step: int, extra: dict) -> dict | None:
     """Validation: stages.rollout.generate_validation(ctx) rows, scored by the reward functions;
     returns verl's val/test_score/{data_source} means."""
@@ -244,7 +212,7 @@ def validate(run_uri: str, step: int, extra: dict) -> dict | None:
     import pyarrow as pa
 
     from stages.reward import reward_fn_spec, scoring_rows
-    from stages.reward_fns import score_batch
+    from stages.scorer_pool import score_batch
 
     key = ctx.get("data.reward_fn_key", "data_source")
     spec = reward_fn_spec(ctx)  # the reward stage's: the same function, kwargs and pool
@@ -277,9 +245,9 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
     for warning in cfg.warnings:
         logger().warning(warning)
     check_stage_deployments(cfg)  # multi-pool mode: refuse missing/misplaced deployments first
+    check_sinks(cfg)  # trainer.logger: known and installed, before anything starts
     lock = acquire_lock(store, layout, force_lock)
-    sinks = MetricSinks(cfg)
-    pool, run_uri = None, None
+    pool, run_uri, sinks = None, None, None
     orch = cfg["orchestration"]
     # the run's resident workers (rollout engines, reward scorers) and background commits
     session = RunSession(retries=int(orch.get("storage_retries", 5)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
@@ -289,6 +257,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
                        {"config": config, "overrides": [scrub_override(o, store.secret_values)
                                                         for o in overrides or []],
                         "experiment_name": experiment_name})
+        sinks = MetricSinks(cfg, store.secret_values)
         run_uri = register_run(cfg, plan, store, session)
         dataset = load_dataset(cfg, store)
         check_ground_truth(cfg, dataset)
@@ -349,8 +318,11 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         if run_uri is not None:
             unregister_session(run_uri)
         session.close()
-        sinks.close()
-        release_lock(lock, failing=sys.exc_info()[0] is not None)
+        try:
+            if sinks is not None:
+                sinks.close()
+        finally:
+            release_lock(lock, failing=sys.exc_info()[0] is not None)
 
 
 def release_lock(lock: ExperimentLock, failing: bool) -> str | None:

@@ -38,42 +38,19 @@ import importlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from stages.rank_procs import REPO_ROOT, context_payload, free_port, job_error, kill_group
 from stages.scratch import scratch_prefix
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 STDERR_TAIL = 4000
 LAUNCHERS = ("torchrun", "deepspeed")
 RESULTS_FILE = "results.json"  # every rank's return value, written by rank 0 (stages.rank_entry)
 MASTER_ADDR_ENV = "STAGERL_MASTER_ADDR"  # overrides the hostfile's first host as the rendezvous address
 LAST_LAUNCH: dict = {}  # {"launcher", "cmd", "world"} of the last launch in this process
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def context_payload(ctx) -> dict:
-    """What a rank process needs to rebuild `ctx`: a StageContext, or any JSON-able object."""
-    if hasattr(ctx, "to_json"):
-        return {"kind": "stage_context", "data": json.loads(ctx.to_json())}
-    return {"kind": "json", "data": ctx}
-
-
-def context_from_payload(payload: dict):
-    if payload["kind"] == "stage_context":
-        from stages.context import StageContext
-
-        return StageContext.from_json(json.dumps(payload["data"]))
-    return payload["data"]
 
 
 def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: float = 1800,
@@ -121,7 +98,7 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 raise RuntimeError(f"{module} on {world} ranks ({launcher}) did not finish in {timeout_s} s; "
                                    f"stderr tail:\n{_tail(err_f)}") from None
         sys.stdout.write(_rank_stdout(out_f))
@@ -130,8 +107,6 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         if rc != 0 or errors:
             detail = "".join(f"--- {e.stem.replace('_', ' ')} ---\n{e.read_text()[-STDERR_TAIL:]}\n"
                              for e in errors)
-            from stages.rank_pool import job_error  # a storage error stays retryable
-
             raise job_error(f"{module} failed on {world} ranks ({launcher}, exit code {rc}).\n{detail}"
                             f"--- stderr tail ---\n{_tail(err_f)}", [e.read_text() for e in errors])
         results_file = tmp / RESULTS_FILE
@@ -201,19 +176,6 @@ def _rank_stdout(path: Path) -> str:
 
 def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-STDERR_TAIL:] if path.exists() else ""
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the launcher and its rank processes (their own session, started by us)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=10)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

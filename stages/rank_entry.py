@@ -23,7 +23,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from stages.launch import RESULTS_FILE, context_from_payload, destroy_distributed, init_distributed
+from stages.launch import RESULTS_FILE, destroy_distributed, init_distributed
+from stages.rank_procs import context_from_payload
 
 
 def run_job(module: str, payload: dict, rank: int, world: int):

@@ -37,33 +37,9 @@ import time
 from pathlib import Path
 
 from stages.scratch import scratch_dir
-from storage.store import StoreError
+from stages.rank_procs import REPO_ROOT, context_payload, free_port, job_error, kill_group
 
 POOL_ENV = "STAGERL_RANK_POOL"
-# The last line of a rank's traceback names the exception: these are storage I/O (an S3 outage),
-# retried by the training flow as if raised in its own process; these others never are.
-STORAGE_ERRORS = ("storage.store.StoreError", "ConnectionError", "ConnectionResetError",
-                  "ConnectionRefusedError", "ConnectionAbortedError", "TimeoutError",
-                  "botocore.exceptions.EndpointConnectionError", "botocore.exceptions.ConnectTimeoutError",
-                  "botocore.exceptions.ReadTimeoutError", "aiohttp.client_exceptions.ClientConnectorError")
-NEVER_RETRIED = ("ValueError", "KeyError", "TypeError", "MemoryError", "torch.OutOfMemoryError")
-
-
-class RankStorageError(StoreError):
-    """A job failed on its ranks with a storage error: retryable like a StoreError raised here."""
-
-
-def job_error(message: str, error_texts: list[str]) -> RuntimeError:
-    """The exception for a failed job: RankStorageError when a rank failed on storage I/O and no
-    rank on bad input or memory (the others then only lost their peer), else RuntimeError."""
-    names = []
-    for text in error_texts:
-        lines = [line for line in text.strip().splitlines() if line.strip()]
-        if lines:
-            names.append(lines[-1].split(":", 1)[0].strip())
-    storage = any(n in STORAGE_ERRORS for n in names) and not any(n in NEVER_RETRIED for n in names)
-    return (RankStorageError if storage else RuntimeError)(message)
-
 ERROR_TAIL = 4000
 _ACTIVE: "RankPool | None" = None
 
@@ -104,7 +80,6 @@ class RankPool:
         """Start torchrun with the rank servers and wait until every rank has its process group
         (wait=False: return at once; the first submit waits, so the ranks' start-up overlaps
         whatever the caller does first, e.g. a training run's first rollout)."""
-        from stages.launch import REPO_ROOT, free_port
 
         if not self.owner:
             raise RuntimeError(f"rank pool {self.work_dir} belongs to another process; it cannot be started here")
@@ -185,11 +160,10 @@ class RankPool:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def _stop_process(self) -> None:
-        from stages.launch import _kill_group
 
         if self.proc is not None:
             ranks = self.rank_pids()
-            _kill_group(self.proc)  # also reaps ranks left in the session after torchrun exited
+            kill_group(self.proc)  # also reaps ranks left in the session after torchrun exited
             self.proc = None
             for pid in ranks:  # torchrun runs each rank in its own process group: a stopped
                 try:           # (SIGSTOP) rank never acts on the TERM torchrun sends it
@@ -221,7 +195,6 @@ class RankPool:
 
     def submit(self, module: str, ctx, timeout_s: float = 1800) -> list:
         """Run `module.rank_main(ctx, rank, world)` on every rank of the pool; results by rank."""
-        from stages.launch import context_payload
 
         self._join_background()
         payload = context_payload(ctx)

@@ -2,7 +2,7 @@
 
 Each row is routed by its `data.reward_fn_key` column (default data_source) to the built-in rule
 scorers (stages.scorers) or scored by the user's `custom_reward_function.path/.name`, in worker
-processes with a per-row timeout (stages.reward_fns.score_batch; reward.num_workers, .timeout_s,
+processes with a per-row timeout (stages.scorer_pool.score_batch; reward.num_workers, .timeout_s,
 .strict). A row whose scorer raises, returns a non-number/non-finite value, or times out scores 0
 with the reason in `error` and is counted in reward/errors or reward/timeouts (strict: the stage
 fails). With reward_model.enable, an HF sequence-classification model scores prompt + response in
@@ -45,7 +45,7 @@ def run(ctx) -> dict:
     rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
     rows = scoring_rows(rollout, ctx.get("data.reward_fn_key", "data_source"))
     fn_spec = reward_fn_spec(ctx)
-    from stages.reward_fns import score_batch
+    from stages.scorer_pool import score_batch
 
     workers, timeout = int(ctx.get("reward.num_workers", 2)), float(ctx.get("reward.timeout_s", 10.0))
     pool = ctx.session.scorers(fn_spec, workers, timeout) if ctx.session is not None else None

@@ -2,7 +2,7 @@
 
 A reward function has verl's signature `compute_score(data_source, solution_str, ground_truth,
 extra_info)` and returns a number or a dict with "score" (an "acc" key fills the acc column; other
-keys are kept as extras). `score_batch` runs it in spawned worker processes with a per-row timeout
+keys are kept as extras). `stages.scorer_pool.score_batch` runs it in spawned worker processes with a per-row timeout
 (stages.scorer_pool.ScorerPool; a training run keeps one pool alive across steps): a row whose
 function raises, returns something unusable or runs too long scores 0 with the reason in its
 `error` field (the hung worker is killed and replaced), unless `strict` makes it fatal.
@@ -17,12 +17,9 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from stages.scorers import default_compute_score
-
-if TYPE_CHECKING:
-    from stages.scorer_pool import ScorerPool
 
 DEFAULT_FN_NAME = "compute_score"
 
@@ -123,36 +120,3 @@ def score_row(fn: Callable[..., Any], row: Mapping) -> dict:
     except (Exception, SystemExit) as exc:
         return _failed(describe_error(exc))
     return normalise_result(result)
-
-
-def score_batch(rows: Sequence[Mapping], fn_spec: "RewardFnSpec | Mapping | None" = None,
-                num_workers: int = 4, timeout_s: float = 30.0, strict: bool = False,
-                pool: "ScorerPool | None" = None) -> tuple[list[dict], dict[str, float]]:
-    """Score rows (data_source, solution_str, ground_truth, optional extra_info) in worker processes.
-
-    Returns one {score, acc, extras, error} dict per row, in order, and metrics
-    reward/errors (raised, bad return value, worker died), reward/timeouts and reward/rows.
-    With strict=True the first failure raises RewardScoringError naming the row index.
-    With `pool` (a training run's resident stages.scorer_pool.ScorerPool) the rows are scored by
-    its workers, which must have been made for the same function, num_workers and timeout_s;
-    without, a pool is started for this call and closed at its end.
-    """
-    from stages.scorer_pool import ScorerPool
-
-    if pool is None:
-        with ScorerPool(fn_spec, num_workers, timeout_s) as one_shot:
-            return one_shot.score(rows, strict=strict)
-    mismatches = pool.matches(fn_spec, num_workers, timeout_s)
-    if mismatches:
-        raise ValueError("score_batch: the ScorerPool passed was made for other settings: "
-                         + "; ".join(mismatches))
-    return pool.score(rows, strict=strict)
-
-
-def __getattr__(name: str):
-    """`from stages.reward_fns import ScorerPool` works; the import is lazy because
-    stages.scorer_pool (which spawned workers import first) imports this module."""
-    if name == "ScorerPool":
-        from stages.scorer_pool import ScorerPool
-        return ScorerPool
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

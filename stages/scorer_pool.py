@@ -358,3 +358,25 @@ class ScorerPool:
                 return
             if not worker.conn.poll():
                 return
+
+
+def score_batch(rows: Sequence[Mapping], fn_spec: "RewardFnSpec | Mapping | None" = None,
+                num_workers: int = 4, timeout_s: float = 30.0, strict: bool = False,
+                pool: "ScorerPool | None" = None) -> tuple[list[dict], dict[str, float]]:
+    """Score rows (data_source, solution_str, ground_truth, optional extra_info) in worker processes.
+
+    Returns one {score, acc, extras, error} dict per row, in order, and metrics
+    reward/errors (raised, bad return value, worker died), reward/timeouts and reward/rows.
+    With strict=True the first failure raises RewardScoringError naming the row index.
+    With `pool` (a training run's resident stages.scorer_pool.ScorerPool) the rows are scored by
+    its workers, which must have been made for the same function, num_workers and timeout_s;
+    without, a pool is started for this call and closed at its end.
+    """
+    if pool is None:
+        with ScorerPool(fn_spec, num_workers, timeout_s) as one_shot:
+            return one_shot.score(rows, strict=strict)
+    mismatches = pool.matches(fn_spec, num_workers, timeout_s)
+    if mismatches:
+        raise ValueError("score_batch: the ScorerPool passed was made for other settings: "
+                         + "; ".join(mismatches))
+    return pool.score(rows, strict=strict)

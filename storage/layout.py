@@ -74,6 +74,26 @@ class RunLayout:
         trainer = config.get("trainer", {})
         return cls(trainer.get("project_name"), trainer.get("experiment_name"))
 
+    @staticmethod
+    def find(store, name: str) -> tuple[str, str]:
+        """(project, experiment) of EXPERIMENT or PROJECT/EXPERIMENT that has a run.json in
+        `store`; LookupError naming the name otherwise (none, an invalid name, or several)."""
+        if "/" in name:
+            project, experiment = name.split("/", 1)
+            candidates = [(project, experiment)]
+        else:
+            candidates = [(p, name) for p in store.list("")]
+        try:
+            found = [c for c in candidates if store.exists(RunLayout(*c).run_json)]
+        except ValueError as exc:  # InvalidName: '..', '/', empty parts
+            raise LookupError(f"experiment {name!r}: {exc}") from None
+        if not found:
+            raise LookupError(f"no experiment {name!r} with a run.json under {store.url('')}")
+        if len(found) > 1:
+            raise LookupError(f"experiment {name!r} exists in several projects "
+                              f"({', '.join(p for p, _ in found)}): give PROJECT/EXPERIMENT")
+        return found[0]
+
     def __repr__(self) -> str:
         return f"RunLayout({self.base!r})"
 

@@ -17,11 +17,12 @@ import pytest
 
 from _prefect_server import PrefectServer
 from _s3_server import MotoServer
+from _sink_logs import tensorboard_scalars, wandb_run
 from flows.train import changed_keys, check_run_json, prune_weights, weights_to_delete, RunConfigChanged
 from flows.step import is_retryable
 from flows.step_report import log_line
 from storage.faults import FaultSpecError, parse
-from storage.artifacts import read_manifest, read_table
+from storage.artifacts import read_file, read_manifest, read_table
 from storage.layout import STAGES, RunLayout
 from storage.store import Store, StoreError
 from storage.weights import folder_manifest, list_weights, load_weights, save_folder
@@ -163,9 +164,9 @@ def server(tmp_path_factory):
         yield srv
 
 
-def stagerl(server, args, toy=False, fault=None, timeout=420):
+def stagerl(server, args, toy=False, fault=None, timeout=420, **env_vars):
     """`stagerl ARGS` in its own session against the test server; returns CompletedProcess."""
-    env = server.env(PYTHONUNBUFFERED="1")  # a SIGKILLed process loses no buffered log lines
+    env = server.env(PYTHONUNBUFFERED="1", **env_vars)  # a SIGKILLed process loses no buffered log lines
     env.pop("STAGERL_FAULT", None)
     if toy:
         env.update(STAGERL_STAGES="_toy_stages", PYTHONPATH=f"{TESTS}{os.pathsep}{REPO}")
@@ -394,19 +395,29 @@ def test_each_step_as_its_own_subflow(server, assets, tmp_path, reference_checks
     """orchestration.step_subflow=true: every step is an rl-step subflow of rl-train (the default
     runs the stage tasks in the rl-train flow run itself), and the weights equal the default's.
     Credentials given as overrides reach no object in the store, no byte of Prefect's database
-    and no console line; `stagerl resume` says where they come from instead."""
+    and no console line; `stagerl resume` says where they come from instead. The run logs to
+    TensorBoard and wandb (offline) too: both hold each step's update metrics, and no credential."""
     root = tmp_path / "runs"
     key, secret = "AKIAFAKEKEY7Q3Z9XW2M", "fakeSecret+9vQx/Zr7TtPpLmNnBbVvCcXx"
+    sink_dirs = {"TENSORBOARD_DIR": str(tmp_path / "tb"), "WANDB_DIR": str(tmp_path / "wb")}
     run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "f", *tiny_overrides(assets, root),
-                           "orchestration.step_subflow=true", f"storage.key={key}", f"storage.secret={secret}"])
+                           "orchestration.step_subflow=true", f"storage.key={key}", f"storage.secret={secret}",
+                           "trainer.logger=[console,tensorboard,wandb]"], **sink_dirs)
     assert run.returncode == 0, run.stdout[-4000:]
     assert "Beginning subflow run 'step-2'" in run.stdout
     assert all(f"Task run '{s}-step-2'" in run.stdout for s in STAGES)
     store = Store.from_config({"root": str(root)})
     assert folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"] == reference_checksum
-    resumed = stagerl(server, ["resume", "f", "--root", str(root)])
+    scalars, wandb = tensorboard_scalars(tmp_path / "tb"), wandb_run(tmp_path / "wb")
+    for step in (1, 2):
+        update = read_file(store, RunLayout(PROJECT, "f"), step, "update", "update/metrics.json")
+        assert scalars["actor/pg_loss"][step] == pytest.approx(update["actor/pg_loss"], rel=1e-6)  # float32
+        assert wandb["history"][step]["actor/pg_loss"] == update["actor/pg_loss"]
+        assert wandb["history"][step]["actor/grad_norm"] == update["actor/grad_norm"]
+    resumed = stagerl(server, ["resume", "f", "--root", str(root)], **sink_dirs)
     assert resumed.returncode == 0 and "storage.key, storage.secret held credentials" in resumed.stdout
-    files = [p for p in [*root.rglob("*"), *server.home.rglob("*")] if p.is_file()]
+    files = [p for p in [*root.rglob("*"), *server.home.rglob("*"), *(tmp_path / "tb").rglob("*"),
+                         *(tmp_path / "wb").rglob("*")] if p.is_file()]
     assert any(b"orchestration.step_subflow=true" in p.read_bytes() for p in files if server.home in p.parents)
     for path in files:  # the flow's parameters are in the server's database: the public ones only
         data = path.read_bytes()

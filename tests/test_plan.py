@@ -234,7 +234,7 @@ REFUSALS = [
     ("world of 0", ["trainer.n_gpus_per_node=0"], "world size 0"),
     ("sp does not divide world", EXAMPLE_A + [f"{A}ulysses_sequence_parallel_size=4"], "must divide the world size (6)"),
     ("sp without remove padding", EXAMPLE_A + [f"{A}ulysses_sequence_parallel_size=2"], "use_remove_padding"),
-    ("critic sp without remove padding", [f"critic.ulysses_sequence_parallel_size=2", "critic.enable=True",
+    ("critic sp without remove padding", ["critic.ulysses_sequence_parallel_size=2", "critic.enable=True",
                                           "critic.ppo_micro_batch_size_per_gpu=4"], "sequence parallelism for critic"),
     ("dynamic: rows not divisible by dp", SEED_C + ["trainer.n_gpus_per_node=7", f"{R}tensor_model_parallel_size=1"],
      "not divisible by the data-parallel size 7"),

@@ -63,7 +63,7 @@ def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
             pass
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-4000:]
-    assert (f"error: the local Prefect server (http://127.0.0.1:" in out
+    assert ("error: the local Prefect server (http://127.0.0.1:" in out
             and f"cannot write its database: the disk of PREFECT_HOME {small_disk / 'prefect'} is full"
             in out), out[-4000:]
     command = out.split("then `", 1)[1].split("`", 1)[0]

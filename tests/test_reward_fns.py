@@ -6,8 +6,8 @@ import time
 import pytest
 
 from stages.reward_fns import (
-    RewardFnSpec, RewardFunctionNotFound, RewardScoringError, ScorerPool, load_reward_fn,
-    normalise_result, score_batch)
+    RewardFnSpec, RewardFunctionNotFound, RewardScoringError, load_reward_fn, normalise_result)
+from stages.scorer_pool import ScorerPool, score_batch
 
 REWARD_FILE = textwrap.dedent('''
     import os, time

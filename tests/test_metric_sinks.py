@@ -1,0 +1,50 @@
+"""trainer.logger sinks: what console, tensorboard and wandb (offline) got, read back from their files."""
+import pytest
+
+from _sink_logs import tensorboard_scalars, wandb_run
+from configs.loader import load_config
+from configs.schema import ConfigError
+from flows import metric_sinks
+from flows.metric_sinks import MetricSinks, check_sinks
+
+STEPS = {1: {"actor/pg_loss": 0.25, "critic/vf_loss": 1.5, "score/mean": 3, "flag": True, "note": "x"},
+         2: {"actor/pg_loss": -0.125, "critic/vf_loss": 0.75, "score/mean": 4}}
+
+
+def test_every_sink_gets_each_steps_numbers(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # tensorboard_log/ and wandb/ land in the working directory
+    for name in ("TENSORBOARD_DIR", "WANDB_DIR", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    secret = "s3cr3t-Value-9f8e"
+    cfg = load_config("tiny-cpu", ["trainer.logger=[console,tensorboard,wandb]", "trainer.experiment_name=sinks",
+                                   f"storage.secret={secret}"])
+    sinks = MetricSinks(cfg, [secret])
+    for step, metrics in STEPS.items():
+        sinks.log(step, metrics)
+    sinks.close()
+    out = capsys.readouterr().out
+    assert "step:1 - " in out and "actor/pg_loss:0.250" in out and "step:2 - " in out
+    scalars = tensorboard_scalars(tmp_path / "tensorboard_log" / "stagerl" / "sinks")
+    assert scalars == {k: {s: pytest.approx(float(m[k])) for s, m in STEPS.items() if k in m}
+                       for k in ("actor/pg_loss", "critic/vf_loss", "score/mean")}  # numbers only
+    run = wandb_run(tmp_path / "wandb")
+    assert run["project"] == "stagerl" and run["name"] == "sinks"
+    assert {s: {k: v for k, v in row.items() if not k.startswith("_")} for s, row in run["history"].items()} == {
+        s: {k: v for k, v in m.items() if k not in ("flag", "note")} for s, m in STEPS.items()}
+    assert run["config"]["data"]["train_batch_size"] == cfg["data"]["train_batch_size"]
+    assert run["config"]["storage"]["secret"] == "***" and secret.encode() not in run["file"].read_bytes()
+    assert f"wandb: offline run in {run['file'].parent}; upload it with `wandb sync {run['file'].parent}`" in out
+
+
+def test_a_sink_that_is_unknown_or_not_installed_is_refused(monkeypatch):
+    cfg = load_config("tiny-cpu", ["trainer.logger=[console,wandb]"])
+    check_sinks(cfg)  # installed
+    monkeypatch.setattr(metric_sinks.WandbSink, "package", "wandb_not_installed_here")
+    with pytest.raises(ConfigError, match=r"trainer.logger has wandb but the wandb_not_installed_here package "
+                                          r"is not installed: `pip install wandb_not_installed_here`"):
+        MetricSinks(cfg)
+    cfg["trainer"]["logger"] = ["console", "mlflow"]
+    with pytest.raises(ConfigError, match=r"trainer.logger: 'mlflow' is not one of \['console', 'tensorboard', 'wandb'\]"):
+        check_sinks(cfg)
+    with pytest.raises(ConfigError, match="trainer.logger: 'mlflow' is not one of"):
+        load_config("tiny-cpu", ["trainer.logger=[console,mlflow]"])
