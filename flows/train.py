@@ -135,7 +135,7 @@ def check_ground_truth(cfg: dict, dataset) -> None:
     """Rows with a null reward_model or reward_model.ground_truth cannot be scored by the built-in
     rule scorers: refuse them at load, naming file and row. A user's reward function
     (custom_reward_function.path) or a reward model may not need it: then only warn."""
-    from stages.dataset import rows_without_ground_truth
+    from stages.dataset_files import rows_without_ground_truth
 
     missing = rows_without_ground_truth(dataset.files, dataset.rows)
     if not missing:

@@ -8,7 +8,7 @@ grows with the dataset; picking a step's batch does not. `load_rl_dataset` retur
   in `tokenizer_dir` — every step's weights folder carries a copy of the same tokenizer, so the
   folder's path is left out — plus the versions of the libraries that run it), the `data.*` settings
   that change the rows (`RowSpec.key_fields()`: batch size, shuffle and seed are not among them),
-  and the source of this module and stages/dataset.py (a change to how rows are prepared must not
+  and the source of this module, stages/dataset.py, dataset_files.py and dataset_arrow.py (a change to how rows are prepared must not
   reuse rows prepared the old way);
 - in this process: a file is hashed again only when its (inode, size, mtime_ns) changed, and a
   known key returns the rows already prepared;
@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 import os
 import threading
 import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
 from fnmatch import fnmatch
 from functools import cache
 from pathlib import Path
 
-from stages import dataset as dataset_module
-from stages.dataset import PreparedRows, PromptRow, RLDataset, RowSpec, prepare_rows
+from stages import dataset as dataset_module, dataset_arrow, dataset_files
+from stages.dataset import PreparedRows, RLDataset, RowSpec, prepare_rows
+from stages.dataset_arrow import ArrowRows, encode_rows, row_schema
 
 FORMAT = 1
 # Files of a model folder that decide how text is templated and tokenised (weights and generation
@@ -52,7 +51,6 @@ TOKENIZER_SUBDIRS = ("additional_chat_templates",)
 # config.json keys AutoTokenizer reads to choose the tokenizer class.
 TOKENIZER_CONFIG_KEYS = ("model_type", "tokenizer_class", "auto_map")
 TOKENIZER_LIBRARIES = ("transformers", "tokenizers", "jinja2", "sentencepiece", "tiktoken")
-JSON_FIELDS = ("messages", "ground_truth", "extra_info")
 MEMO_ENTRIES = 4  # prepared splits kept per process (train and val of a run, and a spare)
 CHECKSUM_ENTRIES = 1024
 
@@ -125,7 +123,7 @@ def _library_versions() -> dict:
 @cache
 def _code_fingerprint() -> str:
     digest = hashlib.sha256()
-    for module_file in (dataset_module.__file__, __file__):
+    for module_file in (dataset_module.__file__, dataset_files.__file__, dataset_arrow.__file__, __file__):
         digest.update(Path(module_file).read_bytes())
     return digest.hexdigest()
 
@@ -219,58 +217,12 @@ def _load_tokenizer(tokenizer_dir, trust_remote_code: bool):
 
 # -- the disk cache --------------------------------------------------------------------------
 
-def _schema():
-    import pyarrow as pa
-
-    return pa.schema([("index", pa.int64()), ("row", pa.int64()), ("prompt_ids", pa.list_(pa.int32())),
-                      ("data_source", pa.string()), ("truncated", pa.bool_())]
-                     + [(name, pa.string()) for name in JSON_FIELDS])
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def _json_column(rows, name: str) -> tuple[list[str] | None, str | None]:
-    """(one JSON text per row, None), or (None, why not) when a value would not read back equal.
-    The round trip is checked for the whole column at once (one parse, one deep comparison)."""
-    values = [getattr(row, name) for row in rows]
-    try:
-        texts = [_ENCODER.encode(value) for value in values]
-        if json.loads("[" + ",".join(texts) + "]") == values:
-            return texts, None
-    except (TypeError, ValueError):
-        pass
-    for row, value in zip(rows, values):  # name the first row that does not round-trip
-        try:
-            text = _ENCODER.encode(value)
-        except (TypeError, ValueError) as err:
-            return None, f"row {row.row}: {name} is not JSON ({err})"
-        if json.loads(text) != value:
-            return None, f"row {row.row}: {name} does not read back equal from JSON ({value!r})"
-    return None, f"{name} does not read back equal from JSON"
-
-
-def _encode(rows) -> "tuple[object | None, str | None]":
-    """(Arrow table, None), or (None, why not) when a field would not read back equal."""
-    import pyarrow as pa
-
-    texts = {}
-    for name in JSON_FIELDS:
-        texts[name], why_not = _json_column(rows, name)
-        if why_not:
-            return None, why_not
-    columns = {"index": [r.index for r in rows], "row": [r.row for r in rows],
-               "prompt_ids": [r.prompt_ids for r in rows], "data_source": [r.data_source for r in rows],
-               "truncated": [r.truncated for r in rows], **texts}
-    return pa.table(columns, schema=_schema()), None
-
-
 def _write_cache(cache_dir: Path, key: str, prepared: PreparedRows, parts: dict, spec: RowSpec):
     """Write the rows and then their manifest; returns the data file's path (None when the rows
     cannot be stored or the folder is not writable: this process keeps them in memory anyway)."""
     import pyarrow as pa
 
-    table, why_not = _encode(prepared.rows)
+    table, why_not = encode_rows(prepared.rows)
     if table is None:
         warnings.warn(f"dataset cache: rows of {list(spec.files)} kept in memory only: {why_not}",
                       DatasetCacheWarning, stacklevel=3)
@@ -348,76 +300,7 @@ def _read_entry(folder: Path, manifest_path: Path, key: str):
     if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
         raise ValueError(f"{path}: sha256 differs from the manifest's")
     table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
-    if table.schema != _schema() or table.num_rows != manifest["rows"]:
+    if table.schema != row_schema() or table.num_rows != manifest["rows"]:
         raise ValueError(f"{path}: {table.num_rows} rows of {table.schema} do not match the manifest")
     rows = ArrowRows(table.combine_chunks(), str(path))
     return PreparedRows(rows, int(manifest["filtered_count"]), int(manifest["truncated_count"])), str(path)
-
-
-class ArrowRows(Sequence):
-    """Prepared rows read from a cache file, each decoded into a PromptRow the first time a batch
-    uses it (then kept), so a step decodes its batch, not the dataset. Read-only; equal to a list
-    of the same PromptRows."""
-
-    def __init__(self, table, source: str = ""):
-        self._table = table
-        self._source = source
-        self._decoded: dict[int, PromptRow] = {}
-
-    def __len__(self) -> int:
-        return self._table.num_rows
-
-    def __getitem__(self, item):
-        if isinstance(item, slice):
-            return self.take(range(len(self))[item])
-        return self.take([item])[0]
-
-    def __iter__(self):
-        for start in range(0, len(self), 4096):
-            yield from self._decode_range(start, min(start + 4096, len(self)))
-
-    def __eq__(self, other):
-        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"ArrowRows({len(self)} rows from {self._source or 'memory'})"
-
-    def field_values(self, name: str) -> list:
-        """One PromptRow field of every row, without decoding (or keeping) the rows."""
-        column = self._table.column(name).to_pylist()
-        return [json.loads(v) for v in column] if name in JSON_FIELDS else column
-
-    def take(self, indices) -> list[PromptRow]:
-        """The rows at `indices` (a batch); the ones not decoded yet are gathered in one go."""
-        n, wanted = len(self), []
-        for i in indices:
-            i = operator.index(i)
-            if i < 0:
-                i += n
-            if not 0 <= i < n:
-                raise IndexError(f"row {i} out of range for {n} prepared rows")
-            wanted.append(i)
-        missing = [i for i in dict.fromkeys(wanted) if i not in self._decoded]
-        if missing:
-            import pyarrow as pa
-
-            self._decode(missing, self._table.take(pa.array(missing, pa.int64())))
-        return [self._decoded[i] for i in wanted]
-
-    def _decode_range(self, start: int, stop: int) -> list[PromptRow]:
-        self._decode(range(start, stop), self._table.slice(start, stop - start))
-        return [self._decoded[i] for i in range(start, stop)]
-
-    def _decode(self, indices, part) -> None:
-        """PromptRows for the rows of `part` (the table's rows `indices`), kept once decoded."""
-        names = part.column_names
-        for i, values in zip(indices, zip(*(part.column(name).to_pylist() for name in names))):
-            if i not in self._decoded:
-                fields = dict(zip(names, values))
-                for name in JSON_FIELDS:
-                    fields[name] = json.loads(fields[name])
-                self._decoded[i] = PromptRow(**fields)

@@ -194,7 +194,7 @@ def test_rows_without_ground_truth_are_named(tmp_path, tokenizer, tokenizer_dir)
     as FILE row K, from freshly prepared rows and from the disk cache alike; the training flow
     refuses them under the built-in scorers and warns with a reward function of the user's."""
     from flows.train import check_ground_truth
-    from stages.dataset import rows_without_ground_truth
+    from stages.dataset_files import rows_without_ground_truth
 
     first = _arith(tmp_path, n=3, name="a.parquet")
     rows = make_arith_dataset(4, seed=0, difficulty=1)
