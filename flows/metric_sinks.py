@@ -6,7 +6,8 @@ log(step, metrics) and close() added there (and its name in base.yaml's enum).
 - tensorboard: event files in $TENSORBOARD_DIR, else tensorboard_log/<project>/<experiment> (verl's
   folder); `tensorboard --logdir tensorboard_log` shows them.
 - wandb: a Weights & Biases run named after the experiment in project trainer.project_name, with
-  the resolved config (secrets scrubbed). Offline unless WANDB_MODE says otherwise: the run is a
+  the resolved config (secrets scrubbed) and no system metadata (wandb's would record the command
+  line, where credentials may be given as overrides) nor system metrics. Offline unless WANDB_MODE says otherwise: the run is a
   folder under ./wandb (or $WANDB_DIR) that `wandb sync <folder>` uploads later; its path is
   printed when the run ends. WANDB_MODE=online logs live (needs WANDB_API_KEY and a network).
 
@@ -68,7 +69,8 @@ class WandbSink:
         mode = os.environ.get("WANDB_MODE") or "offline"
         self.run = wandb.init(project=trainer["project_name"], name=trainer["experiment_name"],
                               config=scrub(dict(cfg), secret_values), mode=mode,
-                              settings=wandb.Settings(console="off", silent=True))
+                              settings=wandb.Settings(console="off", silent=True, x_disable_meta=True,
+                                                      x_disable_stats=True))
         self.folder = Path(self.run.dir).parent  # wandb/offline-run-<time>-<id> (or run-… online)
         self.offline = mode in ("offline", "dryrun")
 

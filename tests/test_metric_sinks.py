@@ -16,6 +16,7 @@ def test_every_sink_gets_each_steps_numbers(tmp_path, monkeypatch, capsys):
     for name in ("TENSORBOARD_DIR", "WANDB_DIR", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
     secret = "s3cr3t-Value-9f8e"
+    monkeypatch.setattr("sys.argv", ["stagerl", "train", f"storage.secret={secret}"])  # wandb's metadata has argv
     cfg = load_config("tiny-cpu", ["trainer.logger=[console,tensorboard,wandb]", "trainer.experiment_name=sinks",
                                    f"storage.secret={secret}"])
     sinks = MetricSinks(cfg, [secret])
