@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--small", action="store_true", help="the tests' 8 rows instead of the CPU default's 720")
     args = ap.parse_args(argv)
     from _pool_steps import run_steps
-    from stages.rank_pool import RankPool, activate, deactivate
+    from stages.rank_pool import RankPool
     from stages.tiny_model import save_tiny_model
 
     sizes = [] if args.small else DEFAULT_SIZES
@@ -81,9 +81,7 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         with RankPool(2, "cpu") as pool:
             start_s = time.perf_counter() - t0
-            activate(pool)
-            pooled = step_rows(run_steps(tmp / "pool", model, args.steps, sizes))
-        deactivate()
+            pooled = step_rows(run_steps(tmp / "pool", model, args.steps, sizes, pool=pool))
     per_call, pool_sum = summary(launched), summary(pooled, start_s)
     result = {"world": 2, "rows_per_step": 8 if args.small else 720, "steps": args.steps,
               "per_call_launch": per_call, "rank_pool": {"pool_start_s": round(start_s, 3), **pool_sum},

@@ -23,6 +23,7 @@ from prefect.states import Completed
 
 from flows import step_report
 from storage.artifacts import read_manifest, read_run_json
+from storage.faults import with_faults
 from storage.layout import STAGES, RunLayout
 from storage.store import Store, StoreError
 
@@ -37,7 +38,7 @@ def register_run(cfg: dict, plan: dict, store: Store, session=None) -> str:
     """Remember a resolved run (and the session keeping its workers) in this process; returns
     its URI (what tasks receive). Tasks only pass the URI; the session stays in this process."""
     run_uri = store.url(RunLayout.from_config(cfg).base)
-    _RUNS[run_uri] = (cfg, plan, store)
+    _RUNS[run_uri] = (cfg, plan, with_faults(store))
     if session is not None:
         _SESSIONS[run_uri] = session
     return run_uri
@@ -71,7 +72,7 @@ def open_run(run_uri: str) -> tuple[dict, dict, Store]:
     kept = {**(cfg.get("storage") or {}), "root": root, "key": None, "secret": None}
     cfg["storage"] = kept
     store = Store.from_config(kept)
-    _RUNS[run_uri] = (cfg, doc["plan"], store)
+    _RUNS[run_uri] = (cfg, doc["plan"], with_faults(store))
     return _RUNS[run_uri]
 
 
@@ -249,18 +250,22 @@ def task_result(state) -> dict:
 def rl_step(run_uri: str, step: int, extra: dict | None = None, publish: bool = True,
             background_publish: bool = False) -> dict:
     """rollout -> logprob -> reward -> advantage -> update for one step; {stage: summary}.
-    With background_publish the step's Prefect artifacts are written by a thread (attached to
-    this flow run) while the caller goes on; the caller must `wait_published()` before it ends."""
+    With background_publish and a run session in this process, the step's Prefect artifacts are
+    written by the session's publisher thread (attached to this flow run) while the caller goes
+    on; closing the session waits for them."""
     cfg, _, _ = open_run(run_uri)
     remote = check_stage_deployments(cfg)
     run_task = stage_task.with_options(**retry_options(cfg))
-    step_report.PUBLISHER.start()  # the previous step's artifacts, beside this step's first stage
+    session = _SESSIONS.get(run_uri)
+    publisher = step_report.background_publisher(session) if background_publish and session else None
+    if publisher is not None:
+        publisher.start()  # the previous step's artifacts, beside this step's first stage
     summaries = {}
     for stage in STAGES:
         summaries[stage] = task_result(run_task(stage, run_uri, step, extra, remote.get(stage),
                                             return_state=True))
-    if publish and background_publish:
-        step_report.PUBLISHER.submit(make_context(run_uri, step), summaries)
+    if publish and publisher is not None:
+        publisher.submit(make_context(run_uri, step), summaries)
     elif publish:
         step_report.publish_step(make_context(run_uri, step), summaries)
     return summaries

@@ -61,12 +61,11 @@ class _BackgroundPublisher:
             self.thread = None
 
 
-PUBLISHER = _BackgroundPublisher()
-
-
-def wait_published() -> None:
-    """Wait for the artifacts of the last step published in the background."""
-    PUBLISHER.wait()
+def background_publisher(session) -> _BackgroundPublisher:
+    """The run's publisher (one per session); the session's close waits for what it holds."""
+    publisher = session.memo("flows.step_report: publisher", _BackgroundPublisher)
+    session.on_close("flows.step_report: publisher", publisher.wait)
+    return publisher
 
 
 # ---- what a step shows in Prefect ------------------------------------------------------------

@@ -19,7 +19,7 @@ from flows.step import (check_stage_deployments, is_retryable, logger, make_cont
 from configs.local_paths import check_local_paths
 from configs.plan import check_trainable
 from flows.metric_sinks import MetricSinks, check_sinks
-from flows.step_report import step_metrics, wait_published
+from flows.step_report import step_metrics
 from stages.launch import forget_inherited_rank_env
 from stages.scratch import process_alive, remove_orphans
 from storage.secrets import scrub_override, secret_overrides_from_env
@@ -274,7 +274,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
             warm = getattr(stage_module("rollout"), "warm_up", None)
             if warm is not None:
                 warm(make_context(run_uri, 1, step_extra(dataset, 1, total)))
-        pool = start_rank_pool(cfg, plan)  # in the background too
+        pool = session.rank_pool = start_rank_pool(cfg, plan)  # in the background too
         if (cfg.get("warmstart") or {}).get("enable"):  # stages.warmstart: step 0, once, resumable
             from flows.step import task_result, retry_options, stage_task
 
@@ -312,7 +312,6 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         return {"run": run_uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
                 "last_metrics": last}
     finally:
-        wait_published()
         if pool is not None:
             pool.close()
         if run_uri is not None:
@@ -358,10 +357,10 @@ def start_rank_pool(cfg: dict, plan: dict):
     world = plan["n_gpus"]
     if world <= 1 or cfg["orchestration"]["mode"] != "local" or cfg["trainer"].get("launcher") == "deepspeed":
         return None
-    from stages.rank_pool import RankPool, activate
+    from stages.rank_pool import RankPool
 
-    pool = activate(RankPool(world, str(cfg["trainer"]["device"]),
-                             heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"])))
+    pool = RankPool(world, str(cfg["trainer"]["device"]),
+                    heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"]))
     pool.start(wait=False)  # the ranks start while the first rollout runs; the first job waits
     return pool
 

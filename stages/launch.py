@@ -4,9 +4,10 @@
 
 - world == 1: called in this process (a launch costs 6-13 s on CPU; single-rank jobs skip it).
   `init_distributed` then makes a one-process group on a free port if a rank needs one.
-- world > 1 with an active rank pool of that world and device (stages.rank_pool.activate) and
-  trainer.launcher=torchrun: the job is submitted to the pool's long-lived ranks (no launch, no
-  re-import, the update engine kept between steps). The pool is single-node only.
+- world > 1 with a rank pool of that world and device in the context's session
+  (`ctx.session.rank_pool`, stages.session) and trainer.launcher=torchrun: the job is submitted to
+  the pool's long-lived ranks (no launch, no re-import, the update engine kept between steps).
+  The pool is single-node only.
 - world > 1 otherwise, by trainer.launcher (read from the StageContext, or passed in):
   * torchrun (one machine):
         python -m torch.distributed.run --standalone --nproc_per_node=W \\
@@ -70,9 +71,7 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         if hostfile is not None:
             raise ValueError(f"trainer.hostfile={hostfile} is read by DeepSpeed's launcher only; "
                              f"set trainer.launcher=deepspeed")
-        from stages.rank_pool import active_pool
-
-        pool = active_pool()
+        pool = getattr(getattr(ctx, "session", None), "rank_pool", None)
         if pool is not None and pool.world == world and pool.device == str(device):
             return pool.submit(module, ctx, timeout_s=timeout_s)
     with tempfile.TemporaryDirectory(prefix=scratch_prefix("ranks")) as tmp_name:
@@ -130,7 +129,6 @@ def _rank_env() -> dict:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.pop("STAGERL_RANK_POOL", None)
     return env
 
 

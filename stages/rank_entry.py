@@ -27,12 +27,15 @@ from stages.launch import RESULTS_FILE, destroy_distributed, init_distributed
 from stages.rank_procs import context_from_payload
 
 
-def run_job(module: str, payload: dict, rank: int, world: int):
+def run_job(module: str, payload: dict, rank: int, world: int, session=None):
     """Rebuild the context from its payload (stages.launch.context_payload + "device") and run
-    `<module>.rank_main(ctx, rank, world)`; also used by the rank pool (stages.rank_server)."""
+    `<module>.rank_main(ctx, rank, world)`; also used by the rank pool (stages.rank_server), which
+    passes its rank process's session (what a stage keeps between the pool's jobs)."""
     ctx = context_from_payload(payload)
     if payload.get("device") and hasattr(ctx, "extra"):
         ctx.extra.setdefault("device", payload["device"])
+    if hasattr(ctx, "extra"):
+        ctx.session = session
     return importlib.import_module(module).rank_main(ctx, rank, world)
 
 

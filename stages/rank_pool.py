@@ -2,7 +2,7 @@
 (logprob, update) of every step, instead of one launch (6-13 s + imports + engine set-up) per call.
 
     with RankPool(world=2, device="cpu") as pool:     # starts `stages.rank_server` under torchrun
-        activate(pool)                                  # run_ranks(...) now submits to the pool
+        session.rank_pool = pool                        # run_ranks(...) with ctx.session submits to it
         ... steps ...                                   # close() (or the with-exit) stops it
     results = pool.submit("stages.logprob", ctx)        # [rank 0's return value, rank 1's, ...]
 
@@ -16,9 +16,10 @@
   thread of the rank, is older than `heartbeat_timeout_s`: SIGSTOP, a hang holding the GIL), or
   a job runs past its timeout, or a rank process died (torchrun then stops the others), the
   pool is stopped, the error raised naming the rank, and the next submit starts a fresh pool.
-- `activate(pool)` registers the pool for this process (stages.launch.run_ranks uses it when
-  world and device match) and sets STAGERL_RANK_POOL=<work_dir>, so a process that inherits
-  the environment attaches to the same pool (RankPool.attach; it cannot restart it).
+- A run's pool is passed, not found: the training flow sets its session's `rank_pool`
+  (stages.session), and stages.launch.run_ranks submits a context's N-rank jobs there when world
+  and device match. Another process may submit to a pool it is given the work dir of
+  (RankPool.attach; it cannot restart it).
 - close() writes a stop file, waits for torchrun to exit, then kills its process group; an
   atexit hook closes pools left open.
 """
@@ -39,9 +40,7 @@ from pathlib import Path
 from stages.scratch import scratch_dir
 from stages.rank_procs import REPO_ROOT, context_payload, free_port, job_error, kill_group
 
-POOL_ENV = "STAGERL_RANK_POOL"
 ERROR_TAIL = 4000
-_ACTIVE: "RankPool | None" = None
 
 
 class RankPool:
@@ -92,7 +91,6 @@ class RankPool:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}",
                "-m", "stages.rank_server", str(self.work_dir), self.device, str(os.getpid())]
         env = dict(os.environ)
-        env.pop(POOL_ENV, None)
         env["OMP_NUM_THREADS"] = "1"
         env["MASTER_PORT"] = str(free_port())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
@@ -154,8 +152,6 @@ class RankPool:
                 pass
         self._stop_process()
         _OPEN.discard(self)
-        if _ACTIVE is self:
-            deactivate()
         if self._own_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
@@ -305,33 +301,6 @@ def process_state(pid: int) -> str:
     except (OSError, IndexError):
         return "unknown"
     return f"{letter} ({names.get(letter, '?')})"
-
-
-# ---- the pool of this process -------------------------------------------------------------------
-def activate(pool: RankPool) -> RankPool:
-    """Make run_ranks use `pool` in this process (and in children that inherit the environment)."""
-    global _ACTIVE
-    _ACTIVE = pool
-    os.environ[POOL_ENV] = str(pool.work_dir)
-    return pool
-
-
-def deactivate() -> None:
-    global _ACTIVE
-    _ACTIVE = None
-    os.environ.pop(POOL_ENV, None)
-
-
-def active_pool() -> RankPool | None:
-    """The activated pool, or one attached from STAGERL_RANK_POOL (cached), or None."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        return _ACTIVE
-    work = os.environ.get(POOL_ENV)
-    if work and (Path(work) / "pool.json").exists():
-        _ACTIVE = RankPool.attach(work)
-        return _ACTIVE
-    return None
 
 
 _OPEN: set = set()

@@ -28,7 +28,6 @@ from pathlib import Path
 
 HEARTBEAT_S = 2.0  # seconds between a rank's heartbeat touches
 POLL_S = 0.005  # job pick-up latency; an idle rank costs ~200 stat calls a second
-IN_POOL_ENV = "STAGERL_RANK_SERVER"  # set in rank processes of a pool (stages may cache state)
 
 
 def _owner_alive(pid: int) -> bool:
@@ -50,8 +49,9 @@ def _write_atomic(path: Path, text: str) -> None:
 def serve(work: Path, device: str, owner_pid: int) -> int:
     from stages.launch import destroy_distributed, init_distributed
     from stages.rank_entry import run_job
+    from stages.session import RunSession
 
-    os.environ[IN_POOL_ENV] = "1"
+    session = RunSession()  # what stages keep in this rank between jobs (the update's engines)
     rank, world = init_distributed(device)
     next_file = work / "next_id"  # read before "ready": the client writes it only once all are ready
     job_id = int(next_file.read_text()) if next_file.exists() else 0
@@ -75,7 +75,7 @@ def serve(work: Path, device: str, owner_pid: int) -> int:
                 continue
             job = json.loads(job_file.read_text())
             try:
-                result = run_job(job["module"], job["payload"], rank, world)
+                result = run_job(job["module"], job["payload"], rank, world, session)
                 _write_atomic(work / f"result_{job_id}_{rank}.json", json.dumps(result))
             except BaseException:  # noqa: BLE001 - reported to the client, the pool goes on
                 text = traceback.format_exc()
@@ -90,6 +90,7 @@ def serve(work: Path, device: str, owner_pid: int) -> int:
                 _empty_device_cache(device)
             job_id += 1
     finally:
+        session.close()
         destroy_distributed()
 
 

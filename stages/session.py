@@ -9,7 +9,13 @@ start once per run:
 - `defer(...)` / `wait_commits()`: a stage's commit (uploads, then its manifest) in a background
   thread, overlapping the next stage (the update's, with the next step's rollout);
 - `memo(key, make)`: small things derived from immutable inputs (a tokenizer by its files'
-  checksum, ...), made once per run.
+  checksum, ...), made once per run; also what a stage keeps between its own calls (the update's
+  DeepSpeed engines: stages.update_worker), released by `on_close`;
+- `rank_pool`: the run's resident ranks (stages.rank_pool), set by the training flow;
+  stages.launch.run_ranks submits N-rank jobs to it instead of launching them.
+
+A rank process of the pool has a session of its own (stages.rank_server), so what a stage keeps
+there lives as long as the pool.
 
 The training flow (flows/train.py) makes one session per run and closes it when the run ends,
 also when it fails. A session holds processes, so it is never written to the store or sent to a
@@ -32,6 +38,7 @@ class RunSession:
         self.retries, self.retry_delay_s = int(retries), float(retry_delay_s)
         self.retryable = retryable or (lambda exc: False)
         self._on_close: dict = {}
+        self.rank_pool = None  # stages.rank_pool.RankPool of this run (not closed by the session)
         self.closed = False
 
     def on_close(self, name: str, fn) -> None:

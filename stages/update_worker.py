@@ -28,7 +28,6 @@ packed into bins too with model.use_remove_padding. The loss is exact for any gr
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -237,11 +236,12 @@ class UpdateJob:
         return out
 
 
-# Engines kept alive between steps inside a rank pool (stages.rank_pool): {key: (job, step, rng)}.
-# Step k reuses the job that trained step k-1 of the same run and config instead of building
-# engines and loading train_state/step_{k-1} (which holds the same weights, optimizer and RNG, so
-# the result is bit-identical); anything else (another run, a rerun, step 1) builds afresh.
-_KEPT: dict = {}
+# Engines kept between steps in the session of the process that trained them (a rank pool's rank,
+# or the training process for one rank): {key: (job, step, rng)} in session.memo(KEPT). Step k
+# reuses the job that trained step k-1 of the same run and config instead of building engines
+# and loading train_state/step_{k-1} (which holds the same weights, optimizer and RNG, so the
+# result is bit-identical); anything else (another run, a rerun, step 1) builds afresh.
+KEPT = "stages.update_worker: kept engines"
 
 
 def _job_key(ctx, world: int) -> str:
@@ -252,7 +252,7 @@ def _job_key(ctx, world: int) -> str:
                         "config": {k: ctx.get(k) for k in CONFIG_KEYS + ("warmstart.enable", "trainer.seed")}})
 
 
-def _prepare(ctx, rank: int, world: int, device: str, key, t0: float) -> dict:
+def _prepare(ctx, rank: int, world: int, device: str, kept: dict | None, key, t0: float) -> dict:
     """Build the engines step ctx.step will train with (and load the previous step's state), then
     keep them as if that step's predecessor had just trained: the step reuses them. A training
     run submits this in the background before its first update (stages.rank_pool
@@ -260,36 +260,36 @@ def _prepare(ctx, rank: int, world: int, device: str, key, t0: float) -> dict:
     the one the step would have after building and loading, so the result is unchanged."""
     from stages.launch import rank_device
 
-    if key is None:  # engines are not kept here: nothing to prepare
+    if kept is None:  # engines are not kept here: nothing to prepare
         return {"rank": rank, "prepared": False}
     job = UpdateJob(ctx, rank, world, rank_device(device))
     if ctx.step > 1:
         from stages.update import previous_state
 
         job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles})
-    _KEPT.clear()
-    _KEPT[key] = (job, ctx.step - 1, update_engine.rng_state())
+    kept.clear()
+    kept[key] = (job, ctx.step - 1, update_engine.rng_state())
     return {"rank": rank, "prepared": True, "prepare_s": round(time.perf_counter() - t0, 3)}
 
 
-def release_kept_jobs() -> None:
-    """Drop the engines kept between steps (the end of a training run in this process)."""
+def release_kept_jobs(kept: dict) -> None:
+    """Drop the engines kept between steps (the end of a training run, or of a rank pool)."""
     import gc
 
-    if _KEPT:
-        _KEPT.clear()
+    if kept:
+        kept.clear()
         gc.unfreeze()
         gc.collect()
 
 
-def _take_kept_job(ctx, key: str):
+def _take_kept_job(ctx, kept: dict, key: str):
     """The kept job that trained step k-1 of this run (its RNG restored), else None; other kept
     jobs are freed."""
     import gc
 
-    entry = _KEPT.pop(key, None)
-    dropped = bool(_KEPT) or (entry is not None and entry[1] != ctx.step - 1)
-    _KEPT.clear()
+    entry = kept.pop(key, None)
+    dropped = bool(kept) or (entry is not None and entry[1] != ctx.step - 1)
+    kept.clear()
     if dropped:  # the rank server froze kept jobs (gc.freeze): let their cycles be collected
         gc.unfreeze()
         gc.collect()
@@ -300,27 +300,31 @@ def _take_kept_job(ctx, key: str):
     return job
 
 
+def kept_jobs(ctx) -> dict | None:
+    """The session's kept-engine table (None: nothing is kept, e.g. a per-call launch's rank, or
+    extra keep_update_engine false to free device memory for other stages)."""
+    session = getattr(ctx, "session", None)
+    if session is None or not ctx.extra.get("keep_update_engine", True):
+        return None
+    kept = session.memo(KEPT, dict)
+    session.on_close(KEPT, lambda: release_kept_jobs(kept))
+    return kept
+
+
 def rank_main(ctx, rank: int, world: int) -> dict:
     """Entry of one rank (stages.launch.run_ranks): load state, train the step, save, export.
-    Inside a rank pool the engines are kept for the next step (ctx.extra["keep_update_engine"]
-    false turns this off, e.g. to free GPU memory for other stages)."""
+    The engines are kept for the next step in the session of the process that runs the rank (a
+    rank pool's rank, or the training process for one rank), see kept_jobs."""
     from stages.launch import init_distributed, rank_device
-    from stages.rank_server import IN_POOL_ENV
 
     t0 = time.perf_counter()
     device = ctx.extra.get("device") or ctx.get("trainer.device") or "cpu"
     init_distributed(device)
-    # engines are kept in a rank pool's ranks, and in this process when one rank trains inside a
-    # training run (its session releases them when the run ends)
-    session = getattr(ctx, "session", None)
-    keep = ctx.extra.get("keep_update_engine", True) and (
-        os.environ.get(IN_POOL_ENV) == "1" or (world == 1 and session is not None))
-    if keep and session is not None:
-        session.on_close("update engines", release_kept_jobs)
-    key = _job_key(ctx, world) if keep else None
+    kept = kept_jobs(ctx)
+    key = _job_key(ctx, world) if kept is not None else None
     if ctx.extra.get("prepare_only"):
-        return _prepare(ctx, rank, world, device, key, t0)
-    job = _take_kept_job(ctx, key) if keep else None
+        return _prepare(ctx, rank, world, device, kept, key, t0)
+    job = _take_kept_job(ctx, kept, key) if kept is not None else None
     reused = job is not None
     if job is None:
         job = UpdateJob(ctx, rank, world, rank_device(device))
@@ -337,8 +341,8 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     rng = update_engine.rng_state()  # what save_state wrote into rng_rank<r>.pt
     job.export(work)
     t4 = time.perf_counter()
-    if keep:
-        _KEPT[key] = (job, ctx.step, rng)
+    if kept is not None:
+        kept[key] = (job, ctx.step, rng)
     out["timings"] = {"init_s": t1 - t0, "load_state_s": t2 - t1, "train_s": t3 - t2, "save_export_s": t4 - t3}
     out["rank"] = rank
     out["engine_reused"] = reused

@@ -15,7 +15,6 @@ import uuid
 from pathlib import Path
 
 from storage import schemas
-from storage.faults import maybe_fault
 from storage.layout import (STAGE_FILES, STAGES, RunLayout, check_stage, parse_step, temp_key)
 from storage.secrets import scrub, scrub_override
 from storage.store import Store
@@ -97,7 +96,6 @@ def upload_files(store: Store, layout: RunLayout, step: int, stage: str, files: 
 def write_manifest(store: Store, layout: RunLayout, step: int, stage: str, entries: dict, *,
                    fingerprint: str, inputs=None, timings=None, extra=None) -> dict:
     """Phase 2 of a commit: write the manifest (secrets removed). The stage is now complete."""
-    maybe_fault(stage, "before_manifest", step)  # STAGERL_FAULT: fault injection for resume tests
     rows = [e["rows"] for e in entries.values() if e.get("rows") is not None]
     manifest = {
         "manifest_version": MANIFEST_VERSION,

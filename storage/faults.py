@@ -5,14 +5,16 @@
     STAGERL_FAULT=reward:before_write:storage   raise a StoreError there, once per process
                                              (kinds: kill | storage | oom | value)
 
-Several faults may be given, comma-separated. A stage calls `maybe_fault(STAGE, "point", ctx.step)`
-at its named points; without STAGERL_FAULT the call costs one environment lookup. Points every
-stage has without its own call: `start` (flows/step.py, just before stage.run) and
-`before_manifest` (storage.artifacts.write_manifest: the stage's files are written, its manifest
-is not, so the stage stays incomplete). A stage may add its own, e.g. `after_rows`."""
+Several faults may be given, comma-separated. Points every stage has: `start` (flows/step.py,
+just before stage.run) and `before_manifest` (the stage's files are written, its manifest is not,
+so the stage stays incomplete). The commit path has no fault code: with STAGERL_FAULT set, the
+training flow opens its store through `with_faults(store)`, which passes `before_manifest`
+before writing a stage manifest. `maybe_fault(STAGE, "point", step)` injects at any other point
+a test needs."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
@@ -70,3 +72,28 @@ def maybe_fault(stage: str, point: str, step: int | None = None) -> None:
         if fault["kind"] == "oom":
             raise MemoryError(f"injected out-of-memory at {where}")
         raise ValueError(f"injected bad input at {where}")
+
+
+_MANIFEST_KEY = re.compile(r"/steps/(\d{6,})/_manifests/([a-z_]+)\.json$")
+
+
+class FaultyStore:
+    """A Store (every call delegated) that passes the `before_manifest` fault point before it
+    writes a stage manifest (`.../steps/<step>/_manifests/<stage>.json`)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def write_json(self, key: str, obj, *args, **kwargs):
+        match = _MANIFEST_KEY.search(key)
+        if match:
+            maybe_fault(match.group(2), "before_manifest", int(match.group(1)))
+        return self._store.write_json(key, obj, *args, **kwargs)
+
+
+def with_faults(store):
+    """`store` itself, or a FaultyStore around it when STAGERL_FAULT is set."""
+    return FaultyStore(store) if os.environ.get(ENV) else store

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from _pool_steps import run_steps
-from stages.rank_pool import RankPool, activate, active_pool, deactivate
+from stages.rank_pool import RankPool
 from stages.tiny_model import save_tiny_model
 from flows.step import is_retryable
 from storage.artifacts import read_file, read_table
@@ -97,13 +97,10 @@ def test_two_steps_through_the_pool_equal_per_call_launches(tmp_path, model_dir,
     """logprob values and update weights (bit for bit) of 2 steps: pool == 4 separate launches;
     the pool's step 2 reuses the DeepSpeed engines and still writes train_state/step_2."""
     launched = run_steps(tmp_path / "launch", model_dir, 2)
-    assert active_pool() is None
     with RankPool(2, "cpu") as pool:
-        activate(pool)
-        pooled = run_steps(tmp_path / "pool", model_dir, 2)
+        pooled = run_steps(tmp_path / "pool", model_dir, 2, pool=pool)
         rank_pids = pool.rank_pids()
         assert pool.starts == 1
-    deactivate()
     assert all(gone(pid) for pid in rank_pids)
     assert "logprob step 2 actor rank 1" in capsys.readouterr().out  # ranks' lines relayed
     for step, (a, b) in enumerate(zip(launched, pooled), start=1):

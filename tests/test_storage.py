@@ -519,3 +519,27 @@ def test_no_secret_in_any_object_of_a_run(s3_endpoint, tmp_path):
     assert any(n.endswith("_lock.json") for n in blobs) and any(n.endswith("run.json") for n in blobs)
     leaks = [(name, v) for name, data in blobs.items() for v in SECRET_VALUES if v.encode() in data]
     assert not leaks, leaks
+
+
+def test_fault_injection_wraps_the_store_not_the_commit_path(tmp_path, monkeypatch):
+    """STAGERL_FAULT's before_manifest point: the store the flow opens through with_faults raises
+    (or kills) just before a matching stage manifest is written; the commit code has no hook."""
+    import inspect
+
+    from storage.faults import ENV, FaultyStore, with_faults
+
+    assert "faults" not in inspect.getsource(artifacts)  # no import of this module
+    store = Store.from_config({"root": str(tmp_path)})
+    monkeypatch.delenv(ENV, raising=False)
+    assert with_faults(store) is store
+    monkeypatch.setenv(ENV, "reward:before_manifest:value@3")
+    faulty = with_faults(store)
+    assert isinstance(faulty, FaultyStore) and faulty.url("x") == store.url("x")
+    layout = RunLayout("p", "e")
+    faulty.write_json(layout.manifest(2, "reward"), {"step": 2})  # another step
+    faulty.write_json(layout.manifest(3, "rollout"), {"step": 3})  # another stage
+    faulty.write_json(f"{layout.step_dir(3)}/reward.json", {"not": "a manifest"})
+    with pytest.raises(ValueError, match=r"injected bad input at reward:before_manifest \(step 3\)"):
+        faulty.write_json(layout.manifest(3, "reward"), {"step": 3})
+    assert not store.exists(layout.manifest(3, "reward"))
+    assert store.read_json(layout.manifest(2, "reward")) == {"step": 2}
