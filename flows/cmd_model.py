@@ -1,5 +1,8 @@
 """`stagerl model tiny --out DIR`: build the tiny Qwen2-style model and its tokenizer in-process
-(no hub) and write them as an HF folder (stages/tiny_model.py)."""
+(no hub) and write them as an HF folder (stages/tiny_model.py).
+`stagerl model qwen2.5-0.5b --out DIR [--dtype bf16|fp32]` (and the other names of
+stages/model_shapes.ARCHITECTURES): a model of that real architecture with random weights, for
+checking memory and speed at real size without a download (real weights go in by path)."""
 import sys
 
 
@@ -18,6 +21,17 @@ def register(subparsers) -> None:
     tiny.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads")
     tiny.add_argument("--vocab-size", type=int, default=512, help="BPE vocab size (specials included)")
     tiny.set_defaults(func=run_tiny)
+    from stages.model_shapes import ARCHITECTURES, DTYPES
+
+    for name in ARCHITECTURES:
+        shaped = kinds.add_parser(name, help=f"{name}'s architecture with random weights and the tiny "
+                                               f"tokenizer (HF folder; real weights: point model.path at them)")
+        shaped.add_argument("--out", required=True, help="output folder")
+        shaped.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="weight dtype (default bf16)")
+        shaped.add_argument("--seed", type=int, default=0, help="weight-init seed (default 0)")
+        shaped.add_argument("--num-layers", type=int, default=None,
+                            help="fewer layers of the same widths (default: the architecture's)")
+        shaped.set_defaults(func=run_shaped, architecture=name)
 
 
 def run_tiny(args) -> int:
@@ -40,4 +54,17 @@ def run_tiny(args) -> int:
         return 2
     out = save_tiny_model(args.out, **options)
     print(describe(out))
+    return 0
+
+
+def run_shaped(args) -> int:
+    from stages.model_shapes import describe, parameter_count, save_shaped_model
+
+    try:
+        parameter_count(args.architecture, args.num_layers)  # checks the arguments, costs nothing
+    except ValueError as exc:
+        print(f"stagerl model {args.architecture}: {exc}", file=sys.stderr)
+        return 2
+    out = save_shaped_model(args.architecture, args.out, args.dtype, args.seed, args.num_layers)
+    print(describe(args.architecture, out))
     return 0
