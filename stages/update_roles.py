@@ -38,6 +38,8 @@ class Role:
 
     def build(self, ctx, init_path: str, dtype: str, device: str) -> None:
         model = self.load_model(ctx, init_path, dtype, device)
+        if ctx.get(f"{self.model_key}.enable_gradient_checkpointing"):  # as verl's fsdp_workers
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.engine, _ = update_engine.make_engine(model, self.cfg["optim"], self.ds_config)
 

@@ -276,3 +276,28 @@ def test_update_forward_replaces_the_old_log_prob_pass(tmp_path, model_dir):
     con = connect(view)
     n = con.sql("select count(*) from logprob where len(old_log_probs) = len(entropy)").fetchall()[0][0]
     assert n == fused_ctx.plan["rows_per_step"]
+
+
+def test_gradient_checkpointing_is_on_and_changes_no_result(tmp_path, model_dir):
+    """model.enable_gradient_checkpointing (actor and critic): the trained modules recompute their
+    layers in backward (transformers' non-reentrant checkpointing), and weights and metrics equal
+    those of a run without it, bit for bit."""
+    from stages.launch import init_distributed
+    from stages.update_worker import UpdateJob
+
+    ov = STATIC_3 + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4"]
+    on = ["actor_rollout_ref.model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true"]
+    off = ["actor_rollout_ref.model.enable_gradient_checkpointing=false", "critic.model.enable_gradient_checkpointing=false"]
+    ctx = make_ctx(tmp_path / "probe", model_dir, 1, ov + on)
+    init_distributed("cpu")
+    job = UpdateJob(ctx, 0, 1)
+    assert [(r.name, r.engine.module.is_gradient_checkpointing) for r in job.roles] == [("critic", True), ("actor", True)]
+    assert not any(r.engine.module.is_gradient_checkpointing for r in UpdateJob(make_ctx(tmp_path / "p2", model_dir, 1, ov + off), 0, 1).roles)
+    ctx_on, _, m_on, w_on = run_update(tmp_path / "on", model_dir, ov + on, critic=True)
+    ctx_off, _, m_off, w_off = run_update(tmp_path / "off", model_dir, ov + off, critic=True)
+    assert w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+    critic_on, critic_off = (load_file(os.path.join(c.store.path(c.layout.critic_weights(1)), "model.safetensors"))
+                             for c in (ctx_on, ctx_off))
+    assert all(torch.equal(critic_on[k], critic_off[k]) for k in critic_on)
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+        assert m_on[key] == m_off[key], key
