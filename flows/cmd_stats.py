@@ -31,7 +31,8 @@ def run(args) -> int:
     model = os.path.expanduser(str(cfg.get_path("actor_rollout_ref.model.path")))
     tokenizer = load_tokenizer(model)
     report = {"dataset": args.dataset, "tokenizer": model,
-              "prompt": distribution(prompt_lengths(args.dataset, cfg.get("data") or {}, tokenizer))}
+              "prompt": distribution(prompt_lengths(args.dataset, cfg.get("data") or {}, tokenizer,
+                                                    cfg.get_path("actor_rollout_ref.model.custom_chat_template")))}
     run_info = None
     if args.run:
         args.experiment = args.run

@@ -43,12 +43,14 @@ def distribution(lengths) -> dict:
     return out
 
 
-def prompt_lengths(dataset_path: str, data_cfg: dict, tokenizer) -> list:
+def prompt_lengths(dataset_path: str, data_cfg: dict, tokenizer, chat_template: str | None = None) -> list:
     """Token count of each dataset prompt after the chat template."""
     from stages.dataset_files import read_parquet_rows
 
     key = data_cfg.get("prompt_key", "prompt")
     kwargs = dict(data_cfg.get("apply_chat_template_kwargs") or {})
+    if chat_template:  # actor_rollout_ref.model.custom_chat_template
+        kwargs["chat_template"] = chat_template
     records = read_parquet_rows([dataset_path])
     if not records:
         raise ValueError(f"{dataset_path} has no rows")

@@ -123,7 +123,8 @@ def load_dataset(cfg: dict, store: Store, split: str = "train"):
 
     model = os.path.expanduser(cfg["actor_rollout_ref"]["model"]["path"])
     cache = os.path.expanduser(cfg["storage"].get("cache_dir") or store.cache_dir)
-    return load_rl_dataset(cfg["data"], model, split, cfg["trainer"]["seed"], cache_dir=cache)
+    return load_rl_dataset(cfg["data"], model, split, cfg["trainer"]["seed"], cache_dir=cache,
+                           chat_template=cfg["actor_rollout_ref"]["model"].get("custom_chat_template"))
 
 
 def trainer_validates(cfg: dict) -> bool:

@@ -75,9 +75,10 @@ class RowSpec:
     template_kwargs: dict
     max_samples: int  # train_max_samples or val_max_samples; -1: all rows
     trust_remote_code: bool  # how the tokenizer is loaded when one has to be
+    chat_template: str | None = None  # actor_rollout_ref.model.custom_chat_template (None: the tokenizer's)
 
     @classmethod
-    def from_config(cls, data_config: dict, split: str) -> "RowSpec":
+    def from_config(cls, data_config: dict, split: str, chat_template: str | None = None) -> "RowSpec":
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         cfg = data_config
@@ -95,7 +96,7 @@ class RowSpec:
                    filter_overlong=bool(cfg.get("filter_overlong_prompts", False)),
                    template_kwargs=dict(cfg.get("apply_chat_template_kwargs") or {}),
                    max_samples=int(cfg.get(samples_key, -1) or -1),
-                   trust_remote_code=bool(cfg.get("trust_remote_code", False)))
+                   trust_remote_code=bool(cfg.get("trust_remote_code", False)), chat_template=chat_template)
 
     def key_fields(self) -> dict:
         """Everything but the file names: a cache keys on the files' contents instead."""
@@ -165,7 +166,8 @@ def prepare_rows(spec: RowSpec, tokenizer) -> PreparedRows:
                              f"is {type(record[spec.reward_fn_key]).__name__}, not text: "
                              f"{record[spec.reward_fn_key]!r:.100}")
         texts.append(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **spec.template_kwargs))
+            messages, add_generation_prompt=True, tokenize=False,
+            **({"chat_template": spec.chat_template} if spec.chat_template else {}), **spec.template_kwargs))
     all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
     rows, filtered, truncated = [], 0, 0
@@ -208,25 +210,26 @@ class RLDataset:
     when data.seed is null (pass trainer.seed)."""
 
     def __init__(self, data_config: dict, tokenizer, split: str = "train", fallback_seed: int = 0,
-                 drop_last: bool | None = None):
-        self._configure(data_config, split, fallback_seed, drop_last)
+                 drop_last: bool | None = None, chat_template: str | None = None):
+        self._configure(data_config, split, fallback_seed, drop_last, chat_template)
         self._adopt(prepare_rows(self.spec, tokenizer))
 
     @classmethod
     def from_prepared(cls, data_config: dict, prepared: PreparedRows, split: str = "train",
-                      fallback_seed: int = 0, drop_last: bool | None = None) -> "RLDataset":
+                      fallback_seed: int = 0, drop_last: bool | None = None,
+                      chat_template: str | None = None) -> "RLDataset":
         """The dataset `RLDataset(data_config, tokenizer, ...)` would be, from rows prepared
         earlier with the same RowSpec and tokenizer (the caller vouches for that)."""
         dataset = cls.__new__(cls)
-        dataset._configure(data_config, split, fallback_seed, drop_last)
+        dataset._configure(data_config, split, fallback_seed, drop_last, chat_template)
         dataset._adopt(prepared)
         return dataset
 
     # -- loading -----------------------------------------------------------------------------
 
-    def _configure(self, data_config: dict, split: str, fallback_seed: int, drop_last):
+    def _configure(self, data_config: dict, split: str, fallback_seed: int, drop_last, chat_template=None):
         cfg = dict(data_config)
-        self.spec = RowSpec.from_config(cfg, split)
+        self.spec = RowSpec.from_config(cfg, split, chat_template)
         self.split = split
         self.prompt_key = self.spec.prompt_key
         self.reward_fn_key = self.spec.reward_fn_key

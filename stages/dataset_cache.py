@@ -168,17 +168,18 @@ def dataset_key(spec: RowSpec, tokenizer_dir) -> tuple[str, dict]:
 # -- loading ---------------------------------------------------------------------------------
 
 def load_rl_dataset(data_cfg: dict, tokenizer_dir, split: str = "train", fallback_seed: int = 0,
-                    cache_dir=None, tokenizer=None) -> RLDataset:
+                    cache_dir=None, tokenizer=None, chat_template: str | None = None) -> RLDataset:
     """`RLDataset(data_cfg, <tokenizer of tokenizer_dir>, split, fallback_seed)`, from rows prepared
     once per key: from this process's memory, else from `cache_dir` (when given), else prepared
     now (loading the tokenizer unless `tokenizer` is passed; it must be that folder's) and stored
     in both. `cache_dir` is the run's local cache (None: this process's memory only).
     `dataset.cache_info` says which: {"key", "source": memory|disk|built, "path", "load_s"}.
     Every dataset of a key shares its rows (that is what makes a step cheap): treat them as
-    read-only."""
+    read-only. `chat_template` (actor_rollout_ref.model.custom_chat_template) replaces the
+    tokenizer's template and is part of the key."""
     t0 = time.perf_counter()
     cfg = dict(data_cfg or {})
-    spec = RowSpec.from_config(cfg, split)
+    spec = RowSpec.from_config(cfg, split, chat_template)
     key, parts = dataset_key(spec, tokenizer_dir)
     with _LOCK:  # threads asking for a key at once prepare it once
         if key in _MEMO:
@@ -198,7 +199,7 @@ def load_rl_dataset(data_cfg: dict, tokenizer_dir, split: str = "train", fallbac
             _MEMO[key] = (prepared, path)
             while len(_MEMO) > MEMO_ENTRIES:
                 _MEMO.popitem(last=False)
-    dataset = RLDataset.from_prepared(cfg, prepared, split, fallback_seed)
+    dataset = RLDataset.from_prepared(cfg, prepared, split, fallback_seed, chat_template=chat_template)
     dataset.cache_info = {"key": key, "source": source, "path": path,
                           "load_s": round(time.perf_counter() - t0, 6)}
     return dataset

@@ -27,8 +27,8 @@ from stages.engines import EngineOptions, Sampling, derive_seed
 
 STAGE = "rollout"
 INPUTS = ()
-CONFIG_KEYS = ("data", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout", "trainer.seed",
-               "trainer.device")
+CONFIG_KEYS = ("data", "actor_rollout_ref.model.path", "actor_rollout_ref.model.custom_chat_template",
+               "actor_rollout_ref.rollout", "trainer.seed", "trainer.device")
 ROLLOUT = "actor_rollout_ref.rollout"
 
 
@@ -149,7 +149,8 @@ def _dataset(ctx, split: str, model_dir):
 
     return load_rl_dataset(dict(ctx.get("data") or {}), model_dir, split,
                            int(ctx.get("trainer.seed", 0) or 0), cache_dir=local_cache_dir(ctx),
-                           tokenizer=None)  # a cache miss loads the tokenizer itself
+                           tokenizer=None,  # a cache miss loads the tokenizer itself
+                           chat_template=ctx.get("actor_rollout_ref.model.custom_chat_template"))
 
 
 def local_cache_dir(ctx):

@@ -29,7 +29,8 @@ def _examples(ctx, tokenizer) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids + EOS) for every training prompt that has a ground truth."""
     from stages.dataset import RLDataset
 
-    dataset = RLDataset(ctx.cfg["data"], tokenizer, split="train", fallback_seed=ctx.get("trainer.seed"))
+    dataset = RLDataset(ctx.cfg["data"], tokenizer, split="train", fallback_seed=ctx.get("trainer.seed"),
+                        chat_template=ctx.get("actor_rollout_ref.model.custom_chat_template"))
     template = ctx.get("warmstart.response_template")
     eos = tokenizer.eos_token_id
     out = []

@@ -429,3 +429,28 @@ def test_cache_bad_input_names_the_file_or_folder(tmp_path, tokenizer_dir):
         load_rl_dataset(_config(path), tmp_path / "weights_only")
     with pytest.raises(ValueError, match="data.val_files is empty"):
         load_rl_dataset(_config(path, val_files=[]), tokenizer_dir, split="val")
+
+
+def test_custom_chat_template_replaces_the_tokenizers(tmp_path, tokenizer, tokenizer_dir):
+    """actor_rollout_ref.model.custom_chat_template (verl sets it as tokenizer.chat_template): the
+    prompts are templated with it, in the plain and the cached dataset, and it is part of the
+    cache key; the training flow's loader passes it from the config."""
+    from configs.loader import load_config
+    from flows.train import load_dataset
+    from storage.store import Store
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    path = _arith(tmp_path, n=4)
+    first = make_arith_dataset(4, seed=0, difficulty=2)[0]["prompt"][0]["content"]
+    expected = tokenizer(f"[user] {first}\n[assistant] ", add_special_tokens=False)["input_ids"]
+    plain = RLDataset(_config(path, shuffle=False), tokenizer, chat_template=template)
+    assert plain.rows[0].prompt_ids == expected
+    cached = load_rl_dataset(_config(path, shuffle=False), tokenizer_dir, chat_template=template)
+    default = load_rl_dataset(_config(path, shuffle=False), tokenizer_dir)
+    assert cached.rows[0].prompt_ids == expected != default.rows[0].prompt_ids
+    assert cached.cache_info["key"] != default.cache_info["key"]
+    cfg = load_config("tiny-cpu", [f"data.train_files={path}", f"actor_rollout_ref.model.path={tokenizer_dir}",
+                                   "data.shuffle=false", f"storage.root={tmp_path / 'runs'}"])
+    cfg["actor_rollout_ref"]["model"]["custom_chat_template"] = template
+    cfg["data"]["train_batch_size"] = 2
+    assert load_dataset(cfg, Store.from_config(cfg["storage"])).rows[0].prompt_ids == expected
