@@ -10,7 +10,8 @@ weights. One rank trains one mini-batch of --rows sequences of --tokens tokens e
 the rest response), in one micro-batch, ZeRO-2, AdamW. Each variant runs in a fresh process so
 its peak resident memory (ru_maxrss) is its own; time is UpdateJob.train_step's wall time (the
 second of two steps: the first pays one-time allocations). The weights after both steps are
-compared across variants (checkpointing recomputes, it must not change results).
+compared across variants (checkpointing recomputes, it must not change results), and each
+peak is printed beside the plan's estimate for the update stage (configs/memory.py).
 """
 import argparse
 import json
@@ -39,6 +40,7 @@ def variant(model: str, work: str, rows: int, tokens: int, checkpointing: bool) 
     import torch
 
     from _update_inputs import make_ctx, write_inputs
+    from configs.memory import estimate_memory
     from stages.launch import init_distributed
     from stages.update_worker import UpdateJob
 
@@ -51,11 +53,12 @@ def variant(model: str, work: str, rows: int, tokens: int, checkpointing: bool) 
                  "actor_rollout_ref.actor.optim.lr=1e-5"]
     full = lambda rng, n, max_resp: np.full(n, max_resp)  # every row at full length
     init_distributed("cpu")
-    job, seconds = None, []
+    job, seconds, estimate = None, [], None
     for step in (1, 2):
         ctx = make_ctx(Path(work), model, step, overrides)
         write_inputs(ctx, seed=5, vocab=400, response_lengths=full)
         if job is None:
+            estimate = estimate_memory(ctx.cfg, ctx.plan)["update_actor"]
             job = UpdateJob(ctx, 0, 1)
         t0 = time.perf_counter()
         job.train_step(ctx)
@@ -68,6 +71,7 @@ def variant(model: str, work: str, rows: int, tokens: int, checkpointing: bool) 
             "is_gradient_checkpointing": bool(job.actor.engine.module.is_gradient_checkpointing),
             "step_s": round(seconds[1], 3), "first_step_s": round(seconds[0], 3),
             "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+            "plan_estimate_gib": estimate["total_gib"], "plan_estimate_parts_gib": estimate["parts_gib"],
             "weights_sha256": digest.hexdigest()}
 
 
@@ -104,7 +108,9 @@ def main(argv=None) -> dict:
               "without": off, "with": on,
               "peak_rss_saved_gib": round(off["peak_rss_gib"] - on["peak_rss_gib"], 3),
               "time_ratio_with_vs_without": round(on["step_s"] / off["step_s"], 3),
-              "same_weights": off["weights_sha256"] == on["weights_sha256"]}
+              "same_weights": off["weights_sha256"] == on["weights_sha256"],
+              "estimate_error": {k: round(v["plan_estimate_gib"] / v["peak_rss_gib"] - 1, 3)
+                                 for k, v in (("without", off), ("with", on))}}
     path = REPO / "bench" / "results" / "checkpointing.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")

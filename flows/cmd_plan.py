@@ -48,21 +48,25 @@ def run_config(args) -> int:
 
 def run_plan(args) -> int:
     from configs.loader import load_config
+    from configs.memory import check_fits, estimate_memory
     from configs.schema import ConfigError
     from configs.suggest import make_plan
 
     try:
         cfg = load_config(args.config, args.overrides)
         plan = make_plan(cfg)
+        memory = estimate_memory(cfg, plan)
+        check_fits(cfg, memory)
     except ConfigError as err:
         print(f"stagerl plan: config refused: {err}", file=sys.stderr)
         if args.json:
             print(json.dumps({"error": str(err), "suggestions": getattr(err, "suggestions", {})}))
         return 2
     if args.json:
-        print(json.dumps(plan, indent=2))
+        print(json.dumps({**plan, "memory": memory}, indent=2))
     else:
         print(render_plan(plan, cfg))
+        print(render_memory(memory, cfg))
         from configs.plan import check_trainable
 
         try:
@@ -70,6 +74,29 @@ def run_plan(args) -> int:
         except ConfigError as err:
             print(f"note: `stagerl train` refuses this config: {err}")
     return 0
+
+
+def render_memory(memory: dict | None, cfg) -> str:
+    """Peak memory per stage and rank (configs/memory.py), each total beside its parts."""
+    model = cfg["actor_rollout_ref"]["model"]["path"]
+    if memory is None:
+        return f"Memory: no estimate ({model}/config.json not found: the plan needs the model's shape)"
+    device = memory["device_memory_gib"]
+    out = [f"Memory per rank, estimated (model {memory['model_params']:,} params; "
+           + (f"device {device:.1f} GiB)" if device else "no device size: set trainer.device_memory_gib to check fit)")]
+    for stage, est in memory.items():
+        if not isinstance(est, dict):
+            continue
+        parts = " + ".join(f"{k} {v:.2f}" for k, v in est["parts_gib"].items())
+        notes = []
+        if "tokens_per_micro_batch" in est:
+            notes.append(f"{est['tokens_per_micro_batch']} tokens per micro-batch")
+        if "gradient_checkpointing" in est:
+            notes.append(f"checkpointing {'on' if est['gradient_checkpointing'] else 'off'}, ZeRO-{est['zero_stage']}")
+        if "engine" in est:
+            notes.append(f"{est['engine']} engine")
+        out.append(f"  {stage.replace('_', ' '):<18}{est['total_gib']:>8.2f} GiB = {parts}  ({', '.join(notes)})")
+    return "\n".join(out)
 
 
 def _line(label: str, value, formula: str = "") -> str:

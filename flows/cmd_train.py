@@ -101,6 +101,7 @@ def drain_prefect_senders(timeout: float = 10.0) -> None:
 def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int:
     from configs.loader import load_config
     from configs.local_paths import check_local_paths
+    from configs.memory import check_fits, estimate_memory
     from configs.plan import check_trainable
     from configs.schema import ConfigError
     from configs.suggest import make_plan
@@ -108,9 +109,10 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
     try:  # refuse a bad config or plan before any Prefect start-up
         cfg = load_config(config, list(overrides) + (
             [f"trainer.experiment_name={experiment}"] if experiment else []))
-        make_plan(cfg)
+        plan = make_plan(cfg)
         check_trainable(cfg)
         check_local_paths(cfg)
+        check_fits(cfg, estimate_memory(cfg, plan))  # with a known device size
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2

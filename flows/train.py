@@ -17,6 +17,7 @@ from prefect import flow
 from flows.step import (check_stage_deployments, is_retryable, logger, make_context, register_run, rl_step,
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
 from configs.local_paths import check_local_paths
+from configs.memory import check_fits, estimate_memory
 from configs.plan import check_trainable
 from flows.metric_sinks import MetricSinks, check_sinks
 from flows.step_report import step_metrics
@@ -239,6 +240,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
     cfg, plan = resolve(config, overrides, experiment_name)
     check_trainable(cfg)
     check_local_paths(cfg)  # a deployment run's worker: its own working directory
+    check_fits(cfg, estimate_memory(cfg, plan))  # each stage's estimated peak fits the device
     for folder in remove_orphans():  # scratch folders of killed runs on this host (stages.scratch)
         print(f"removed {folder}: left by a process that is gone", flush=True)
     store = Store.from_config(cfg["storage"])

@@ -1,0 +1,211 @@
+"""Peak memory per stage and rank, estimated from the config, the batch plan and the model's
+config.json (no weights are loaded): what `stagerl plan` prints, and what `stagerl train` checks
+against a device's memory before anything starts.
+
+Model: P parameters (embeddings, per layer q/k/v/o and gate/up/down projections with q/k/v
+biases, norms; the LM head only when untied), hidden h, KV width kv = kv_heads x head_dim, MLP width
+i, vocabulary V, L layers. b = bytes per element of the stage's dtype.
+
+- update (per rank, ZeRO over the dp ranks, DeepSpeed's layout): weights b·P (÷ dp with ZeRO-3);
+  gradients b·P (÷ dp with ZeRO-2/3) plus the fp32 gradient of the rank's master partition 4·P/dp;
+  optimizer 12·P/dp: the fp32 master partition (DeepSpeed clones one even when training in fp32,
+  deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups) and AdamW's two moments.
+  Optimizer offload moves the master, its gradient and the moments to host memory, param offload
+  (ZeRO-3) the weights: not counted on the device.
+  activations per micro-batch of T tokens (T = micro rows × max_seq_len, or the token budget):
+  what a layer keeps for backward is ~(8h + 2kv + 4i) values per token (norm inputs/outputs, q,
+  k, v, attention output, the MLP's gate, up, activation and product), so L·T·(8h+2kv+4i)·b;
+  with gradient checkpointing each layer keeps only its input, L·T·h·b, plus one layer's full
+  set while it is recomputed. Logits: the vocab projection runs over at most LOGIT_CHUNK
+  positions at a time (recomputed in backward), so min(T, LOGIT_CHUNK)·V fp32 values three times
+  (logits, log-softmax, their gradient) for the actor; a critic's value head has one output.
+- logprob (per rank): weights b·P and one micro-batch's forward without gradients: one layer's
+  activations and the same chunked logits.
+- rollout (per replica): vLLM takes gpu_memory_utilization of the device (weights, KV cache and
+  activations inside it); without a known device size, and for the hf engine: weights ÷ TP plus a
+  KV cache of 2·L·kv values per token for every sequence it holds at once (vLLM: max_num_seqs,
+  hf: hf_generate_batch_size) at max_seq_len.
+- every process: RUNTIME_GIB for the framework (CUDA context or the CPU process's libraries).
+
+An estimate, not a measurement: bench/checkpointing.py prints measured peaks beside it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from configs.loader import get_path
+from configs.schema import ConfigError
+
+GIB = 2 ** 30
+RUNTIME_GIB = 1.0
+LOGIT_CHUNK = 1024  # positions per vocab projection in stages/models.py (DEFAULT_CHUNK; a test ties them)
+ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "float16": 2, "fp16": 2, "auto": 2}
+
+
+class DoesNotFit(ConfigError):
+    """A stage's estimated peak does not fit the device memory; carries suggestions."""
+
+    def __init__(self, message: str, stage: str, suggestions: list[str]):
+        super().__init__(message)
+        self.stage, self.suggestions = stage, suggestions
+
+
+def read_architecture(model_dir) -> dict | None:
+    """The shape of the model in an HF folder (its config.json), or None when there is none."""
+    path = Path(os.path.expanduser(str(model_dir))) / "config.json"
+    try:
+        c = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not all(k in c for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")):
+        return None
+    h, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    kv = (c.get("num_key_value_heads") or heads) * head_dim
+    i, vocab, tied = c.get("intermediate_size") or 4 * h, c["vocab_size"], bool(c.get("tie_word_embeddings"))
+    bias = (h + 2 * kv) if c.get("model_type") == "qwen2" or c.get("attention_bias") else 0
+    per_layer = h * h + 2 * h * kv + h * h + bias + 3 * h * i + 2 * h
+    return {"hidden": h, "layers": layers, "kv": kv, "intermediate": i, "vocab": vocab, "tied": tied,
+            "params": vocab * h * (1 if tied else 2) + layers * per_layer + h}
+
+
+# (token-budget key, micro-batch rows key) of the plan's entries for each kind of pass
+PASSES = {"train": ("max_token_len_per_micro_batch", "ppo_micro_batch_size_per_gpu"),
+          "log_prob": ("log_prob_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu"),
+          "values": ("forward_max_token_len_per_gpu", "forward_micro_batch_size_per_gpu")}
+
+
+def _tokens(role: dict, kind: str, seq_len: int) -> int:
+    """Tokens of one micro-batch: the token budget, or micro rows × max_seq_len."""
+    budget_key, rows_key = PASSES[kind]
+    if role.get(budget_key):
+        return int(role[budget_key])
+    return int(role.get(rows_key) or 1) * seq_len
+
+
+def _layer_values(a: dict) -> int:
+    return 8 * a["hidden"] + 2 * a["kv"] + 4 * a["intermediate"]
+
+
+def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_out: int, seq_len: int) -> dict:
+    zero = get_path(cfg, f"{ACTOR}.deepspeed.zero_stage")
+    mixed = get_path(cfg, f"{ACTOR}.deepspeed.dtype") == "bf16"
+    b, P, dp = (2 if mixed else 4), a["params"], role["dp_size"]
+    offload = get_path(cfg, offload_key) or {}
+    checkpointing = bool(get_path(cfg, f"{model_key}.enable_gradient_checkpointing"))
+    T = _tokens(role, "train", seq_len)
+    layer = _layer_values(a)
+    parts = {
+        "weights": 0 if offload.get("param_offload") and zero == 3 else b * P / (dp if zero == 3 else 1),
+        "gradients": b * P / (dp if zero >= 2 else 1) + (0 if offload.get("optimizer_offload") else 4 * P / dp),
+        "optimizer": 0 if offload.get("optimizer_offload") else 12 * P / dp,
+        "activations": T * b * (a["layers"] * a["hidden"] + layer if checkpointing else a["layers"] * layer),
+        "logits": 3 * 4 * min(T, LOGIT_CHUNK) * vocab_out,
+        "runtime": RUNTIME_GIB * GIB,
+    }
+    return {"tokens_per_micro_batch": T, "gradient_checkpointing": checkpointing, "zero_stage": zero,
+            "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
+            "total_gib": round(sum(parts.values()) / GIB, 3)}
+
+
+def _logprob(lp: dict, kind: str, a: dict, b: int, vocab_out: int, seq_len: int) -> dict:
+    T = _tokens(lp, kind, seq_len)
+    parts = {"weights": b * a["params"], "activations": T * b * _layer_values(a),
+             "logits": 3 * 4 * min(T, LOGIT_CHUNK) * vocab_out,
+             "runtime": RUNTIME_GIB * GIB}
+    return {"tokens_per_micro_batch": T, "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
+            "total_gib": round(sum(parts.values()) / GIB, 3)}
+
+
+def _rollout(cfg, a: dict, seq_len: int, device_gib: float | None) -> dict:
+    name = get_path(cfg, f"{ROLLOUT}.name")
+    if name == "vllm" and device_gib:
+        share = get_path(cfg, f"{ROLLOUT}.gpu_memory_utilization")
+        return {"engine": name, "parts_gib": {"gpu_memory_utilization share": round(share * device_gib, 3)},
+                "total_gib": round(share * device_gib + RUNTIME_GIB, 3)}
+    b = DTYPE_BYTES.get(str(get_path(cfg, f"{ROLLOUT}.dtype")), 2) if name == "vllm" else 4
+    seqs = get_path(cfg, f"{ROLLOUT}.max_num_seqs") if name == "vllm" else get_path(cfg, f"{ROLLOUT}.hf_generate_batch_size")
+    tp = get_path(cfg, f"{ROLLOUT}.tensor_model_parallel_size") or 1
+    parts = {"weights": b * a["params"] / tp, "kv_cache": 2 * a["layers"] * a["kv"] * seq_len * int(seqs or 1) * b / tp,
+             "runtime": RUNTIME_GIB * GIB}
+    return {"engine": name, "sequences_at_once": seqs, "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
+            "total_gib": round(sum(parts.values()) / GIB, 3)}
+
+
+def device_memory_gib(cfg) -> float | None:
+    """trainer.device_memory_gib, else a CUDA device's total memory, else None (no fit check)."""
+    declared = get_path(cfg, "trainer.device_memory_gib")
+    if declared:
+        return float(declared)
+    if get_path(cfg, "trainer.device") == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.get_device_properties(0).total_memory / GIB
+        except Exception:  # noqa: BLE001 - no CUDA here: nothing to read
+            return None
+    return None
+
+
+def estimate_memory(cfg, plan: dict) -> dict | None:
+    """{stage: estimate} per rank (rollout: per replica), or None when the actor's model folder
+    has no readable config.json."""
+    actor_arch = read_architecture(get_path(cfg, "actor_rollout_ref.model.path"))
+    if actor_arch is None:
+        return None
+    seq_len, device = plan["max_seq_len"], device_memory_gib(cfg)
+    b = 2 if get_path(cfg, f"{ACTOR}.deepspeed.dtype") == "bf16" else 4
+    out = {"device_memory_gib": device, "model_params": actor_arch["params"],
+           "rollout": _rollout(cfg, actor_arch, seq_len, device),
+           "update_actor": _update(cfg, plan["actor"], actor_arch, "actor_rollout_ref.model",
+                                   f"{ACTOR}.fsdp_config", actor_arch["vocab"], seq_len)}
+    if plan["rollout"].get("old_log_prob_pass", True):
+        out["logprob_actor"] = _logprob(plan["rollout"], "log_prob", actor_arch, b, actor_arch["vocab"], seq_len)
+    if plan["ref"]:
+        out["logprob_ref"] = _logprob(plan["ref"], "log_prob", actor_arch, b, actor_arch["vocab"], seq_len)
+    if plan["critic"]:
+        critic_arch = read_architecture(get_path(cfg, "critic.model.path")) or actor_arch
+        critic_arch = {**critic_arch, "params": critic_arch["params"] - critic_arch["vocab"] * critic_arch["hidden"]
+                       * (0 if critic_arch["tied"] else 1) + critic_arch["hidden"] + 1}  # value head, no LM head
+        out["update_critic"] = _update(cfg, plan["critic"], critic_arch, "critic.model", "critic.model.fsdp_config",
+                                       1, seq_len)
+        out["logprob_critic"] = _logprob(plan["critic"], "values", critic_arch, b, 1, seq_len)
+    return out
+
+
+def check_fits(cfg, estimate: dict | None) -> None:
+    """Refuse (DoesNotFit) a stage whose estimate exceeds the device memory, naming the stage
+    and the cheapest changes, largest saving first."""
+    if not estimate or not estimate.get("device_memory_gib"):
+        return
+    device = estimate["device_memory_gib"]
+    for stage, est in estimate.items():
+        if not isinstance(est, dict) or est["total_gib"] <= device:
+            continue
+        parts, tips = est["parts_gib"], []
+        if stage.startswith("update"):
+            role = "critic" if stage.endswith("critic") else "actor"
+            prefix, model, offload = (("critic", "critic.model", "critic.model.fsdp_config") if role == "critic"
+                                      else (ACTOR, "actor_rollout_ref.model", f"{ACTOR}.fsdp_config"))
+            if not est["gradient_checkpointing"] and parts["activations"] > 0.1 * device:
+                tips.append((parts["activations"], f"{model}.enable_gradient_checkpointing=true"))
+            tips.append((parts["activations"] / 2 + parts["logits"] / 2,
+                         f"halve {prefix}.ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu)"))
+            if parts["optimizer"] > 0:
+                tips.append((parts["optimizer"], f"{offload}.optimizer_offload=true"))
+            if est["zero_stage"] < 3 and parts["weights"] > 0:
+                tips.append((parts["gradients"] / 2, f"{ACTOR}.deepspeed.zero_stage=3"))
+        elif stage.startswith("logprob"):
+            tips.append((parts["logits"] / 2, "halve the stage's log_prob/forward micro-batch size"))
+        else:
+            tips.append((est["total_gib"] - device, f"{ROLLOUT}.gpu_memory_utilization lower, or "
+                                                   f"{ROLLOUT}.tensor_model_parallel_size higher"))
+        tips.sort(key=lambda t: -t[0])
+        raise DoesNotFit(f"the {stage.replace('_', ' ')} stage needs ~{est['total_gib']:.1f} GiB per rank, "
+                           f"more than the device's {device:.1f} GiB ({', '.join(f'{k} {v:.1f}' for k, v in parts.items())}"
+                           f" GiB); try: " + "; ".join(f"{t} (saves ~{s:.1f} GiB)" for s, t in tips),
+                           stage, [t for _, t in tips])

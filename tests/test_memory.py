@@ -1,0 +1,88 @@
+"""The plan's memory estimate (configs/memory.py), checked against hand-computed numbers for seed
+example A's model (Qwen2.5-0.5B's shape: its config.json only, no weights), and the fit check."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs.loader import load_config
+from configs.memory import GIB, LOGIT_CHUNK, DoesNotFit, check_fits, estimate_memory
+from configs.suggest import make_plan
+from stages.model_shapes import shaped_config
+
+REPO = Path(__file__).resolve().parent.parent
+P = 494_032_768  # Qwen2.5-0.5B's parameters (tests/test_model_shapes.py)
+H, LAYERS, KV, INTER, VOCAB = 896, 24, 128, 4864, 151936
+
+
+@pytest.fixture(scope="module")
+def qwen_config_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen05")
+    shaped_config("qwen2.5-0.5b").save_pretrained(folder)  # config.json only
+    return folder
+
+
+def config(folder, *extra):
+    return load_config("gsm8k-qwen2.5-0.5b", [f"actor_rollout_ref.model.path={folder}",
+                                              f"critic.model.path={folder}", *extra])
+
+
+def test_update_and_logprob_by_hand(qwen_config_dir):
+    cfg = config(qwen_config_dir)
+    est = estimate_memory(cfg, make_plan(cfg))
+    assert est["model_params"] == P
+    actor = est["update_actor"]
+    tokens = 4 * (512 + 256)  # ppo_micro_batch_size_per_gpu 4 x (max prompt + max response)
+    layer = 8 * H + 2 * KV + 4 * INTER  # values a layer keeps per token for backward
+    # bf16 weights and gradients; the fp32 master partition's gradient, the master and AdamW's moments (dp 1)
+    by_hand = {"weights": 2 * P, "gradients": 2 * P + 4 * P, "optimizer": 12 * P,
+               "activations": tokens * 2 * (LAYERS * H + layer),  # checkpointing: layer inputs + one layer
+               "logits": 3 * 4 * LOGIT_CHUNK * VOCAB, "runtime": GIB}
+    assert actor["tokens_per_micro_batch"] == tokens == 3072 and actor["gradient_checkpointing"] is True
+    assert actor["parts_gib"] == {k: round(v / GIB, 3) for k, v in by_hand.items()}
+    assert actor["total_gib"] == round(sum(by_hand.values()) / GIB, 3) == 12.218
+    old = est["logprob_actor"]  # 4 mini-batches: the old-log-prob pass runs, rollout.log_prob micro 8 rows
+    assert old["parts_gib"]["weights"] == round(2 * P / GIB, 3) and old["tokens_per_micro_batch"] == 8 * 768
+    assert "logprob_ref" not in est  # no KL loss, no KL in reward: no reference model
+    assert est["logprob_critic"]["parts_gib"]["logits"] == round(3 * 4 * 1024 / GIB, 3)  # one value per token
+    off = config(qwen_config_dir, "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
+    actor_off = estimate_memory(off, make_plan(off))["update_actor"]
+    assert actor_off["parts_gib"]["activations"] == round(tokens * 2 * LAYERS * layer / GIB, 3) == 3.691
+    assert actor_off["parts_gib"]["optimizer"] == 0 and actor_off["parts_gib"]["gradients"] == round(2 * P / GIB, 3)
+
+
+def test_a_config_that_does_not_fit_is_refused_with_the_cheapest_changes(qwen_config_dir):
+    cfg = config(qwen_config_dir, "trainer.device_memory_gib=8")
+    est = estimate_memory(cfg, make_plan(cfg))
+    with pytest.raises(DoesNotFit) as err:
+        check_fits(cfg, est)
+    assert err.value.stage == "update_actor"
+    assert "the update actor stage needs ~12.2 GiB per rank, more than the device's 8.0 GiB" in str(err.value)
+    assert err.value.suggestions[0] == "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"
+    check_fits(config(qwen_config_dir, "trainer.device_memory_gib=80"), est | {"device_memory_gib": 80.0})
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--config", "gsm8k-qwen2.5-0.5b",
+                          f"actor_rollout_ref.model.path={qwen_config_dir}", f"critic.model.path={qwen_config_dir}",
+                          "trainer.device_memory_gib=8", "--json"], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 2 and "optimizer_offload=true (saves ~5.5 GiB)" in run.stderr
+    fits = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--config", "gsm8k-qwen2.5-0.5b",
+                           f"actor_rollout_ref.model.path={qwen_config_dir}", f"critic.model.path={qwen_config_dir}",
+                           "trainer.device_memory_gib=8", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                           "critic.model.fsdp_config.optimizer_offload=true", "--json"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert fits.returncode == 0, fits.stderr
+    memory = json.loads(fits.stdout)["memory"]
+    assert memory["update_actor"]["total_gib"] < 8 and memory["device_memory_gib"] == 8.0
+
+
+def test_no_model_config_no_estimate(tmp_path):
+    cfg = load_config("gsm8k-qwen2.5-0.5b", [f"actor_rollout_ref.model.path={tmp_path / 'absent'}"])
+    assert estimate_memory(cfg, make_plan(cfg)) is None
+
+
+def test_logit_chunk_is_the_models():
+    from stages.models import DEFAULT_CHUNK
+
+    assert LOGIT_CHUNK == DEFAULT_CHUNK
