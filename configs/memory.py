@@ -7,7 +7,8 @@ biases, norms; the LM head only when untied), hidden h, KV width kv = kv_heads x
 i, vocabulary V, L layers. b = bytes per element of the stage's dtype.
 
 - update (per rank, ZeRO over the dp ranks, DeepSpeed's layout): weights b·P (÷ dp with ZeRO-3);
-  gradients b·P (÷ dp with ZeRO-2/3) plus the fp32 gradient of the rank's master partition 4·P/dp;
+  gradients b·P (÷ dp with ZeRO-2/3); master gradients: the fp32 gradient of the rank's master
+  partition 4·P/dp;
   optimizer 12·P/dp: the fp32 master partition (DeepSpeed clones one even when training in fp32,
   deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups) and AdamW's two moments.
   Optimizer offload moves the master, its gradient and the moments to host memory, param offload
@@ -100,13 +101,14 @@ def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_ou
     layer = _layer_values(a)
     parts = {
         "weights": 0 if offload.get("param_offload") and zero == 3 else b * P / (dp if zero == 3 else 1),
-        "gradients": b * P / (dp if zero >= 2 else 1) + (0 if offload.get("optimizer_offload") else 4 * P / dp),
+        "gradients": b * P / (dp if zero >= 2 else 1),
+        "master_gradients": 0 if offload.get("optimizer_offload") else 4 * P / dp,
         "optimizer": 0 if offload.get("optimizer_offload") else 12 * P / dp,
         "activations": T * b * (a["layers"] * a["hidden"] + layer if checkpointing else a["layers"] * layer),
         "logits": 3 * 4 * min(T, LOGIT_CHUNK) * vocab_out,
         "runtime": RUNTIME_GIB * GIB,
     }
-    return {"tokens_per_micro_batch": T, "gradient_checkpointing": checkpointing, "zero_stage": zero,
+    return {"tokens_per_micro_batch": T, "gradient_checkpointing": checkpointing, "zero_stage": zero, "dp": dp,
             "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
             "total_gib": round(sum(parts.values()) / GIB, 3)}
 
@@ -193,12 +195,14 @@ def check_fits(cfg, estimate: dict | None) -> None:
                                       else (ACTOR, "actor_rollout_ref.model", f"{ACTOR}.fsdp_config"))
             if not est["gradient_checkpointing"] and parts["activations"] > 0.1 * device:
                 tips.append((parts["activations"], f"{model}.enable_gradient_checkpointing=true"))
-            tips.append((parts["activations"] / 2 + parts["logits"] / 2,
+            T = est["tokens_per_micro_batch"]  # halving it halves activations; logits only below the chunk
+            logits_left = parts["logits"] * min(T // 2, LOGIT_CHUNK) / max(1, min(T, LOGIT_CHUNK))
+            tips.append((parts["activations"] / 2 + parts["logits"] - logits_left,
                          f"halve {prefix}.ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu)"))
             if parts["optimizer"] > 0:
-                tips.append((parts["optimizer"], f"{offload}.optimizer_offload=true"))
-            if est["zero_stage"] < 3 and parts["weights"] > 0:
-                tips.append((parts["gradients"] / 2, f"{ACTOR}.deepspeed.zero_stage=3"))
+                tips.append((parts["optimizer"] + parts["master_gradients"], f"{offload}.optimizer_offload=true"))
+            if est["zero_stage"] < 3 and est["dp"] > 1:
+                tips.append((parts["weights"] * (1 - 1 / est["dp"]), f"{ACTOR}.deepspeed.zero_stage=3"))
         elif stage.startswith("logprob"):
             tips.append((parts["logits"] / 2, "halve the stage's log_prob/forward micro-batch size"))
         else:

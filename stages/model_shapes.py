@@ -90,20 +90,11 @@ def describe(name: str, model_dir) -> str:
     """One line about a saved folder: parameters and dtype read from the safetensors headers."""
     import json
 
+    from stages.tiny_model import safetensors_summary
+
     folder = Path(model_dir)
     config = json.loads((folder / "config.json").read_text())
-    n_params, dtypes, size = 0, set(), 0
-    for file in sorted(folder.glob("*.safetensors")):
-        size += file.stat().st_size
-        with file.open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for key, tensor in header.items():
-            if key != "__metadata__":
-                count = 1
-                for dim in tensor["shape"]:
-                    count *= dim
-                n_params += count
-                dtypes.add(tensor["dtype"])
+    n_params, dtypes, size = safetensors_summary(folder)
     return (f"{name} (random weights) in {folder}: {n_params:,} params, {'/'.join(sorted(dtypes))}, "
             f"{size / 2**30:.2f} GiB; hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
             f"{config['num_attention_heads']} heads / {config['num_key_value_heads']} KV heads, "

@@ -193,19 +193,28 @@ def save_tiny_model(out_dir, **options) -> Path:
     return out
 
 
+def safetensors_summary(model_dir) -> tuple[int, set, int]:
+    """(parameters, dtypes, bytes) of the *.safetensors files of a folder, from their headers."""
+    n_params, dtypes, size = 0, set(), 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        size += file.stat().st_size
+        with file.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, tensor in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in tensor["shape"]:
+                    count *= dim
+                n_params += count
+                dtypes.add(tensor["dtype"])
+    return n_params, dtypes, size
+
+
 def describe(model_dir) -> str:
     """One line about a saved tiny model folder (reads config.json and the safetensors header)."""
     folder = Path(model_dir)
     config = json.loads((folder / "config.json").read_text())
-    with (folder / "model.safetensors").open("rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    n_params = 0
-    for name, tensor in header.items():
-        if name != "__metadata__":
-            count = 1
-            for dim in tensor["shape"]:
-                count *= dim
-            n_params += count
+    n_params = safetensors_summary(folder)[0]
     return (
         f"tiny Qwen2 in {folder}: {n_params:,} params, vocab {config['vocab_size']}, "
         f"hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
