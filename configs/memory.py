@@ -2,11 +2,13 @@
 config.json (no weights are loaded): what `stagerl plan` prints, and what `stagerl train` checks
 against a device's memory before anything starts.
 
-Model: P parameters (embeddings, per layer q/k/v/o and gate/up/down projections with q/k/v
+Model: W parameters (embeddings, per layer q/k/v/o and gate/up/down projections with q/k/v
 biases, norms; the LM head only when untied), hidden h, KV width kv = kv_heads x head_dim, MLP width
-i, vocabulary V, L layers. b = bytes per element of the stage's dtype.
+i, vocabulary V, L layers. b = bytes per element of the stage's dtype. P = the parameters the
+update trains: W, or with LoRA (lora_rank r) r × (in + out) per adapted projection
+(trainable_params), the frozen base still counted in the weights.
 
-- update (per rank, ZeRO over the dp ranks, DeepSpeed's layout): weights b·P (÷ dp with ZeRO-3);
+- update (per rank, ZeRO over the dp ranks, DeepSpeed's layout): weights b·W (÷ dp with ZeRO-3);
   gradients b·P (÷ dp with ZeRO-2/3); master gradients: the fp32 gradient of the rank's master
   partition 4·P/dp;
   optimizer 12·P/dp: the fp32 master partition (DeepSpeed clones one even when training in fp32,
@@ -20,7 +22,7 @@ i, vocabulary V, L layers. b = bytes per element of the stage's dtype.
   set while it is recomputed. Logits: the vocab projection runs over at most LOGIT_CHUNK
   positions at a time (recomputed in backward), so min(T, LOGIT_CHUNK)·V fp32 values three times
   (logits, log-softmax, their gradient) for the actor; a critic's value head has one output.
-- logprob (per rank): weights b·P and one micro-batch's forward without gradients: one layer's
+- logprob (per rank): weights b·W and one micro-batch's forward without gradients: one layer's
   activations and the same chunked logits.
 - rollout (per replica): vLLM takes gpu_memory_utilization of the device (weights, KV cache and
   activations inside it); without a known device size, and for the hf engine: weights ÷ TP plus a
@@ -91,16 +93,35 @@ def _layer_values(a: dict) -> int:
     return 8 * a["hidden"] + 2 * a["kv"] + 4 * a["intermediate"]
 
 
+LORA_MODULES = {"q_proj": ("h", "h"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv"), "o_proj": ("h", "h"),
+                "gate_proj": ("h", "i"), "up_proj": ("h", "i"), "down_proj": ("i", "h")}
+
+
+def trainable_params(cfg, a: dict, model_key: str, value_head: bool) -> int:
+    """Every parameter, or with lora_rank r the adapters: r × (in + out) per adapted linear layer
+    (all-linear: the seven projections of each layer, not the LM head), plus a critic's value head."""
+    rank = int(get_path(cfg, f"{model_key}.lora_rank") or 0)
+    if not rank:
+        return a["params"]
+    targets = get_path(cfg, f"{model_key}.target_modules") or "all-linear"
+    names = list(LORA_MODULES) if targets == "all-linear" else [t for t in ([targets] if isinstance(targets, str)
+                                                                         else targets) if t in LORA_MODULES]
+    width = {"h": a["hidden"], "kv": a["kv"], "i": a["intermediate"]}
+    per_layer = sum(width[LORA_MODULES[n][0]] + width[LORA_MODULES[n][1]] for n in names)
+    return rank * a["layers"] * per_layer + ((a["hidden"] + 1) if value_head else 0)
+
+
 def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_out: int, seq_len: int) -> dict:
     zero = get_path(cfg, f"{ACTOR}.deepspeed.zero_stage")
     mixed = get_path(cfg, f"{ACTOR}.deepspeed.dtype") == "bf16"
-    b, P, dp = (2 if mixed else 4), a["params"], role["dp_size"]
+    b, W, dp = (2 if mixed else 4), a["params"], role["dp_size"]
+    P = trainable_params(cfg, a, model_key, value_head=vocab_out == 1)
     offload = get_path(cfg, offload_key) or {}
     checkpointing = bool(get_path(cfg, f"{model_key}.enable_gradient_checkpointing"))
     T = _tokens(role, "train", seq_len)
     layer = _layer_values(a)
     parts = {
-        "weights": 0 if offload.get("param_offload") and zero == 3 else b * P / (dp if zero == 3 else 1),
+        "weights": 0 if offload.get("param_offload") and zero == 3 else b * W / (dp if zero == 3 else 1),
         "gradients": b * P / (dp if zero >= 2 else 1),
         "master_gradients": 0 if offload.get("optimizer_offload") else 4 * P / dp,
         "optimizer": 0 if offload.get("optimizer_offload") else 12 * P / dp,
@@ -108,7 +129,12 @@ def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_ou
         "logits": 3 * 4 * min(T, LOGIT_CHUNK) * vocab_out,
         "runtime": RUNTIME_GIB * GIB,
     }
+    lora16 = 16 * a["layers"] * sum({"h": a["hidden"], "kv": a["kv"], "i": a["intermediate"]}[x]
+                                    for pair in LORA_MODULES.values() for x in pair)
+    states = parts["gradients"] + parts["master_gradients"] + parts["optimizer"]
     return {"tokens_per_micro_batch": T, "gradient_checkpointing": checkpointing, "zero_stage": zero, "dp": dp,
+            "trainable_params": P, "lora": P != W, "model_key": model_key,
+            "lora16_saves_gib": round(states * (1 - lora16 / P) / GIB, 3) if P == W else 0.0,
             "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
             "total_gib": round(sum(parts.values()) / GIB, 3)}
 
@@ -180,36 +206,41 @@ def estimate_memory(cfg, plan: dict) -> dict | None:
 
 
 def check_fits(cfg, estimate: dict | None) -> None:
-    """Refuse (DoesNotFit) a stage whose estimate exceeds the device memory, naming the stage
-    and the cheapest changes, largest saving first."""
+    """Refuse (DoesNotFit) a stage whose estimate exceeds the device memory, naming the stage and
+    the cheapest changes first: those that leave the results unchanged (checkpointing, smaller
+    micro-batches, offload, ZeRO-3) before LoRA (which trains something else), and among them the
+    ones that are enough on their own, largest saving first."""
     if not estimate or not estimate.get("device_memory_gib"):
         return
     device = estimate["device_memory_gib"]
     for stage, est in estimate.items():
         if not isinstance(est, dict) or est["total_gib"] <= device:
             continue
-        parts, tips = est["parts_gib"], []
+        parts, tips = est["parts_gib"], []  # (GiB saved, change, changes what is trained)
         if stage.startswith("update"):
-            role = "critic" if stage.endswith("critic") else "actor"
-            prefix, model, offload = (("critic", "critic.model", "critic.model.fsdp_config") if role == "critic"
-                                      else (ACTOR, "actor_rollout_ref.model", f"{ACTOR}.fsdp_config"))
+            prefix, offload = (("critic", "critic.model.fsdp_config") if stage.endswith("critic")
+                               else (ACTOR, f"{ACTOR}.fsdp_config"))
             if not est["gradient_checkpointing"] and parts["activations"] > 0.1 * device:
-                tips.append((parts["activations"], f"{model}.enable_gradient_checkpointing=true"))
+                tips.append((parts["activations"], f"{est['model_key']}.enable_gradient_checkpointing=true", False))
             T = est["tokens_per_micro_batch"]  # halving it halves activations; logits only below the chunk
             logits_left = parts["logits"] * min(T // 2, LOGIT_CHUNK) / max(1, min(T, LOGIT_CHUNK))
             tips.append((parts["activations"] / 2 + parts["logits"] - logits_left,
-                         f"halve {prefix}.ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu)"))
+                         f"halve {prefix}.ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu)", False))
             if parts["optimizer"] > 0:
-                tips.append((parts["optimizer"] + parts["master_gradients"], f"{offload}.optimizer_offload=true"))
+                tips.append((parts["optimizer"] + parts["master_gradients"], f"{offload}.optimizer_offload=true", False))
             if est["zero_stage"] < 3 and est["dp"] > 1:
-                tips.append((parts["weights"] * (1 - 1 / est["dp"]), f"{ACTOR}.deepspeed.zero_stage=3"))
+                tips.append((parts["weights"] * (1 - 1 / est["dp"]), f"{ACTOR}.deepspeed.zero_stage=3", False))
+            if est["lora16_saves_gib"] > 0:
+                tips.append((est["lora16_saves_gib"], f"{est['model_key']}.lora_rank=16", True))
         elif stage.startswith("logprob"):
-            tips.append((parts["logits"] / 2, "halve the stage's log_prob/forward micro-batch size"))
+            tips.append((parts["logits"] / 2, "halve the stage's log_prob/forward micro-batch size", False))
         else:
             tips.append((est["total_gib"] - device, f"{ROLLOUT}.gpu_memory_utilization lower, or "
-                                                   f"{ROLLOUT}.tensor_model_parallel_size higher"))
-        tips.sort(key=lambda t: -t[0])
+                                                   f"{ROLLOUT}.tensor_model_parallel_size higher", False))
+        excess = est["total_gib"] - device
+        tips.sort(key=lambda t: (t[2], t[0] < excess, -t[0]))
         raise DoesNotFit(f"the {stage.replace('_', ' ')} stage needs ~{est['total_gib']:.1f} GiB per rank, "
-                           f"more than the device's {device:.1f} GiB ({', '.join(f'{k} {v:.1f}' for k, v in parts.items())}"
-                           f" GiB); try: " + "; ".join(f"{t} (saves ~{s:.1f} GiB)" for s, t in tips),
-                           stage, [t for _, t in tips])
+                         f"more than the device's {device:.1f} GiB ({', '.join(f'{k} {v:.1f}' for k, v in parts.items())}"
+                         f" GiB); try: " + "; ".join(f"{t} (saves ~{s:.1f} GiB{', enough alone' if s >= excess else ''}"
+                                                     f"{', trains adapters only' if lora else ''})" for s, t, lora in tips),
+                         stage, [t for _, t, _ in tips])

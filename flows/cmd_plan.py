@@ -91,6 +91,8 @@ def render_memory(memory: dict | None, cfg) -> str:
         notes = []
         if "tokens_per_micro_batch" in est:
             notes.append(f"{est['tokens_per_micro_batch']} tokens per micro-batch")
+        if est.get("lora"):
+            notes.append(f"LoRA: {est['trainable_params']:,} trainable")
         if "gradient_checkpointing" in est:
             notes.append(f"checkpointing {'on' if est['gradient_checkpointing'] else 'off'}, ZeRO-{est['zero_stage']}")
         if "engine" in est:

@@ -35,7 +35,9 @@ from storage.weights import adopt_folder, folder_hashes, load_folder, save_folde
 
 STAGE = "update"
 INPUTS = ("rollout", "logprob", "advantage")
-CONFIG_KEYS = ("actor_rollout_ref.actor", "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.temperature",
+CONFIG_KEYS = ("actor_rollout_ref.actor", "actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_rank",
+               "actor_rollout_ref.model.lora_alpha", "actor_rollout_ref.model.target_modules",
+               "actor_rollout_ref.rollout.temperature",
                "critic", "data.max_response_length", "trainer.balance_batch", "trainer.critic_warmup",
                "trainer.total_training_steps", "trainer.n_gpus_per_node", "trainer.nnodes")
 KEEP_STATES = 2  # train_state/step_k and step_{k-1} (a rerun of step k needs the latter)

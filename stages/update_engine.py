@@ -151,8 +151,11 @@ def full_fp32_state_dict(engine) -> dict:
 
 
 def export_hf(engine, out_dir: Path, rank: int, tokenizer_from=None) -> None:
-    """Write an HF folder (fp32 weights, config, tokenizer) on rank 0; all ranks must call it."""
-    state = full_fp32_state_dict(engine)
+    """Write an HF folder (fp32 weights, config, tokenizer) on rank 0; all ranks must call it.
+    LoRA adapters (stages.lora) are merged into their weights: the folder is a plain model."""
+    from stages.lora import adapter_scalings, merge_adapters
+
+    state = merge_adapters(full_fp32_state_dict(engine), adapter_scalings(engine.module))
     if rank != 0:
         return
     out_dir = Path(out_dir)

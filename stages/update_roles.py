@@ -64,9 +64,12 @@ class ActorRole(Role):
     exports_tokenizer = True
 
     def load_model(self, ctx, init_path, dtype, device):
+        from stages.lora import add_adapters, lora_rank
         from stages.models import load_policy
 
-        return load_policy(init_path, dtype, device)
+        model = load_policy(init_path, dtype, device)
+        model_cfg = ctx.get(self.model_key) or {}
+        return add_adapters(model, model_cfg) if lora_rank(model_cfg) else model
 
     def trains_at(self, ctx) -> bool:
         return ctx.step >= (ctx.get("trainer.critic_warmup") or 0)
@@ -117,10 +120,13 @@ class CriticRole(Role):
     seed_offset = 1
 
     def load_model(self, ctx, init_path, dtype, device):
+        from stages.lora import add_adapters, lora_rank
         from stages.models import load_critic
 
-        return load_critic(os.path.expanduser(ctx.get("critic.model.path")), dtype, device,
-                           seed=ctx.get("trainer.seed"))
+        model = load_critic(os.path.expanduser(ctx.get("critic.model.path")), dtype, device,
+                            seed=ctx.get("trainer.seed"))
+        model_cfg = ctx.get(self.model_key) or {}
+        return add_adapters(model, model_cfg) if lora_rank(model_cfg) else model
 
     def columns(self) -> dict:
         return {"values": "logprob"}

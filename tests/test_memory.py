@@ -61,12 +61,15 @@ def test_a_config_that_does_not_fit_is_refused_with_the_cheapest_changes(qwen_co
         check_fits(cfg, est)
     assert err.value.stage == "update_actor"
     assert "the update actor stage needs ~12.2 GiB per rank, more than the device's 8.0 GiB" in str(err.value)
+    # results unchanged and enough alone first; LoRA (it trains something else) last
     assert err.value.suggestions[0] == "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"
+    assert err.value.suggestions[-1] == "actor_rollout_ref.model.lora_rank=16"
     check_fits(config(qwen_config_dir, "trainer.device_memory_gib=80"), est | {"device_memory_gib": 80.0})
     run = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--config", "gsm8k-qwen2.5-0.5b",
                           f"actor_rollout_ref.model.path={qwen_config_dir}", f"critic.model.path={qwen_config_dir}",
                           "trainer.device_memory_gib=8", "--json"], cwd=REPO, capture_output=True, text=True)
-    assert run.returncode == 2 and "optimizer_offload=true (saves ~7.4 GiB)" in run.stderr  # 16P bytes
+    assert run.returncode == 2 and "optimizer_offload=true (saves ~7.4 GiB, enough alone)" in run.stderr  # 16P bytes
+    assert "lora_rank=16 (saves ~8.1 GiB, enough alone, trains adapters only)" in run.stderr  # listed last
     fits = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--config", "gsm8k-qwen2.5-0.5b",
                            f"actor_rollout_ref.model.path={qwen_config_dir}", f"critic.model.path={qwen_config_dir}",
                            "trainer.device_memory_gib=8", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
