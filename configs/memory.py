@@ -22,6 +22,9 @@ update trains: W, or with LoRA (lora_rank r) r × (in + out) per adapted project
   set while it is recomputed. Logits: the vocab projection runs over at most LOGIT_CHUNK
   positions at a time (recomputed in backward), so min(T, LOGIT_CHUNK)·V fp32 values three times
   (logits, log-softmax, their gradient) for the actor; a critic's value head has one output.
+  The export after training gathers an fp32 copy of every parameter on each rank (4·W; with
+  LoRA a merged copy too) while weights and optimizer states are still held: the stage's peak
+  is the larger of training and export.
 - logprob (per rank): weights b·W and one micro-batch's forward without gradients: one layer's
   activations and the same chunked logits.
 - rollout (per replica): vLLM takes gpu_memory_utilization of the device (weights, KV cache and
@@ -129,6 +132,11 @@ def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_ou
         "logits": 3 * 4 * min(T, LOGIT_CHUNK) * vocab_out,
         "runtime": RUNTIME_GIB * GIB,
     }
+    # after training, the export gathers every parameter as an fp32 copy on each rank (and with
+    # LoRA a merged copy beside it) while the weights and optimizer states are still allocated
+    kept = sum(v for k, v in parts.items() if k in ("weights", "gradients", "master_gradients", "optimizer"))
+    export = kept + 4 * W * (2 if P != W else 1) + RUNTIME_GIB * GIB
+    train = sum(parts.values())
     lora16 = 16 * a["layers"] * sum({"h": a["hidden"], "kv": a["kv"], "i": a["intermediate"]}[x]
                                     for pair in LORA_MODULES.values() for x in pair)
     states = parts["gradients"] + parts["master_gradients"] + parts["optimizer"]
@@ -136,7 +144,8 @@ def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_ou
             "trainable_params": P, "lora": P != W, "model_key": model_key,
             "lora16_saves_gib": round(states * (1 - lora16 / P) / GIB, 3) if P == W else 0.0,
             "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
-            "total_gib": round(sum(parts.values()) / GIB, 3)}
+            "train_gib": round(train / GIB, 3), "export_gib": round(export / GIB, 3),
+            "total_gib": round(max(train, export) / GIB, 3)}
 
 
 def _logprob(lp: dict, kind: str, a: dict, b: int, vocab_out: int, seq_len: int) -> dict:

@@ -95,6 +95,8 @@ def render_memory(memory: dict | None, cfg) -> str:
             notes.append(f"LoRA: {est['trainable_params']:,} trainable")
         if "gradient_checkpointing" in est:
             notes.append(f"checkpointing {'on' if est['gradient_checkpointing'] else 'off'}, ZeRO-{est['zero_stage']}")
+        if est.get("export_gib", 0) > est.get("train_gib", 0):
+            notes.append(f"peak in the export: {est['export_gib']:.2f} GiB, training {est['train_gib']:.2f}")
         if "engine" in est:
             notes.append(f"{est['engine']} engine")
         out.append(f"  {stage.replace('_', ' '):<18}{est['total_gib']:>8.2f} GiB = {parts}  ({', '.join(notes)})")
