@@ -9,9 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]  # bench/ off the path: bench/storage.py is not storage/
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
+sys.path.insert(0, str(REPO))
 
 PRESETS = {  # Qwen2.5-0.5B's shape, and a tiny one for the CPU smoke test
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -63,6 +69,8 @@ def update(model, args, device, n_params: int) -> dict:
     batch = collate([{"prompt_ids": row[:P], "response_ids": row[P:]} for row in ids], pad_id=0, device=device)
     adv = torch.randn(bs, R, device=device)
     times = []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for i in range(args.update_iters + 1):
         sync(device)
         t0 = time.perf_counter()
@@ -80,7 +88,36 @@ def update(model, args, device, n_params: int) -> dict:
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
     if peak:  # 6 N flops per token (forward + backward), attention ignored
         out["mfu"] = round(6 * n_params * tokens / step_s / peak, 4)
+    if device == "cuda":
+        out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    out["plan_estimate_gib"] = plan_estimate(model, args)
     return out
+
+
+def plan_estimate(model, args) -> dict:
+    """The plan's estimate (configs/memory.py) for this update: same shape, dtype, ZeRO-2, one
+    rank, one micro-batch of update_rows × (prompt + response) tokens, no checkpointing. Without
+    the 1 GiB runtime allowance, to compare with torch's allocated peak (no CUDA context)."""
+    import tempfile
+
+    from configs.loader import load_config
+    from configs.memory import RUNTIME_GIB, estimate_memory
+    from configs.suggest import make_plan
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.config.save_pretrained(folder)
+        rows = args.update_rows
+        cfg = load_config("base", [f"actor_rollout_ref.model.path={folder}", "algorithm.adv_estimator=grpo",
+                                   f"data.train_batch_size={rows}", "actor_rollout_ref.rollout.n=1",
+                                   f"actor_rollout_ref.actor.ppo_mini_batch_size={rows}",
+                                   f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows}",
+                                   f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={rows}",
+                                   f"data.max_prompt_length={args.prompt_len}", f"data.max_response_length={args.response_len}",
+                                   f"actor_rollout_ref.actor.deepspeed.dtype={args.dtype}",
+                                   "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+                                   "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1"])
+        est = estimate_memory(cfg, make_plan(cfg))["update_actor"]
+    return {"training_without_runtime": round(est["train_gib"] - RUNTIME_GIB, 3), "parts": est["parts_gib"]}
 
 
 def resident_engines(model, args, device) -> dict:
