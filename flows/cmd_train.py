@@ -205,14 +205,12 @@ def resume_arguments(doc: dict, root: str | None) -> tuple[str, list, str]:
 
 
 def run_resume(args) -> int:
+    from flows.inspect_lib import find_experiment
     from storage.artifacts import read_run_json
     from storage.layout import RunLayout
-    from storage.store import Store
 
-    root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
-    store = Store.from_config({"root": root})
     try:
-        project, experiment = RunLayout.find(store, args.experiment)
+        store, root, project, experiment = find_experiment(args)
     except LookupError as exc:
         print(f"error: {exc}")
         return 2

@@ -2,7 +2,6 @@
 (stage files, weights, critic and train-state folders) against its manifest (storage.verify).
 Exit 0 when all match, 1 when something is damaged. `--repair` un-commits the damaged stages so
 that `stagerl resume` computes them again. `stagerl resume` runs the check first."""
-import os
 
 
 def register(subparsers) -> None:
@@ -35,14 +34,12 @@ def check_run(store, project: str, experiment: str, root: str) -> bool:
 
 
 def run(args) -> int:
+    from flows.inspect_lib import find_experiment
     from storage.layout import RunLayout
-    from storage.store import Store
     from storage.verify import repair, verify_run
 
-    root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
-    store = Store.from_config({"root": root})
     try:
-        project, experiment = RunLayout.find(store, args.experiment)
+        store, root, project, experiment = find_experiment(args)
     except LookupError as exc:
         print(f"error: {exc}")
         return 2

@@ -44,6 +44,17 @@ def open_view(args, cfg=None):
     return RunView.open(Store.from_config(storage), project, args.experiment)
 
 
+def find_experiment(args):
+    """(store, root, project, experiment) of args.experiment (EXP or PROJECT/EXP) under --root,
+    else $STAGERL_ROOT, else ./runs; LookupError naming it when there is no such run."""
+    from storage.layout import RunLayout
+    from storage.store import Store
+
+    root = args.root or os.environ.get("STAGERL_ROOT") or "./runs"
+    store = Store.from_config({"root": root})
+    return (store, root, *RunLayout.find(store, args.experiment))
+
+
 def guarded(func):
     """Run a command; a missing run/step, bad config or bad name prints one line, exit code 2."""
     @functools.wraps(func)
