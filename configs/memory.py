@@ -100,18 +100,22 @@ LORA_MODULES = {"q_proj": ("h", "h"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv
                 "gate_proj": ("h", "i"), "up_proj": ("h", "i"), "down_proj": ("i", "h")}
 
 
+def adapter_params(a: dict, rank: int, targets="all-linear") -> int:
+    """LoRA parameters: r × (in + out) per adapted linear layer (all-linear: the seven projections
+    of each layer, not the LM head)."""
+    names = list(LORA_MODULES) if targets == "all-linear" else [t for t in ([targets] if isinstance(targets, str)
+                                                                         else targets) if t in LORA_MODULES]
+    width = {"h": a["hidden"], "kv": a["kv"], "i": a["intermediate"]}
+    return rank * a["layers"] * sum(width[LORA_MODULES[n][0]] + width[LORA_MODULES[n][1]] for n in names)
+
+
 def trainable_params(cfg, a: dict, model_key: str, value_head: bool) -> int:
-    """Every parameter, or with lora_rank r the adapters: r × (in + out) per adapted linear layer
-    (all-linear: the seven projections of each layer, not the LM head), plus a critic's value head."""
+    """Every parameter, or with lora_rank the adapters plus a critic's value head."""
     rank = int(get_path(cfg, f"{model_key}.lora_rank") or 0)
     if not rank:
         return a["params"]
     targets = get_path(cfg, f"{model_key}.target_modules") or "all-linear"
-    names = list(LORA_MODULES) if targets == "all-linear" else [t for t in ([targets] if isinstance(targets, str)
-                                                                         else targets) if t in LORA_MODULES]
-    width = {"h": a["hidden"], "kv": a["kv"], "i": a["intermediate"]}
-    per_layer = sum(width[LORA_MODULES[n][0]] + width[LORA_MODULES[n][1]] for n in names)
-    return rank * a["layers"] * per_layer + ((a["hidden"] + 1) if value_head else 0)
+    return adapter_params(a, rank, targets) + ((a["hidden"] + 1) if value_head else 0)
 
 
 def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_out: int, seq_len: int) -> dict:
@@ -132,14 +136,12 @@ def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_ou
         "logits": 3 * 4 * min(T, LOGIT_CHUNK) * vocab_out,
         "runtime": RUNTIME_GIB * GIB,
     }
+    states = parts["gradients"] + parts["master_gradients"] + parts["optimizer"]
     # after training, the export gathers every parameter as an fp32 copy on each rank (and with
     # LoRA a merged copy beside it) while the weights and optimizer states are still allocated
-    kept = sum(v for k, v in parts.items() if k in ("weights", "gradients", "master_gradients", "optimizer"))
-    export = kept + 4 * W * (2 if P != W else 1) + RUNTIME_GIB * GIB
+    export = parts["weights"] + states + 4 * W * (2 if P != W else 1) + RUNTIME_GIB * GIB
     train = sum(parts.values())
-    lora16 = 16 * a["layers"] * sum({"h": a["hidden"], "kv": a["kv"], "i": a["intermediate"]}[x]
-                                    for pair in LORA_MODULES.values() for x in pair)
-    states = parts["gradients"] + parts["master_gradients"] + parts["optimizer"]
+    lora16 = adapter_params(a, 16)
     return {"tokens_per_micro_batch": T, "gradient_checkpointing": checkpointing, "zero_stage": zero, "dp": dp,
             "trainable_params": P, "lora": P != W, "model_key": model_key,
             "lora16_saves_gib": round(states * (1 - lora16 / P) / GIB, 3) if P == W else 0.0,
