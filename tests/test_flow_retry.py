@@ -38,14 +38,9 @@ ROWS_PER_STEP = 8  # data.train_batch_size=4 x rollout.n=2
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from stages.data_tools import write_arith_dataset
-    from stages.tiny_model import save_tiny_model
+    from test_flows import write_run_assets
 
-    base = tmp_path_factory.mktemp("assets")
-    save_tiny_model(base / "model")
-    write_arith_dataset(base / "train.parquet", n=40)
-    write_arith_dataset(base / "test.parquet", n=8, split="test")
-    return base
+    return write_run_assets(tmp_path_factory.mktemp("assets"))
 
 
 def tiny_overrides(assets, root, steps=2) -> list:

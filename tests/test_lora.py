@@ -15,7 +15,6 @@ from stages.models import load_policy
 from stages.tiny_model import save_tiny_model
 from storage.artifacts import read_file
 
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
 LORA = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.lora_rank=4",
         "actor_rollout_ref.model.lora_alpha=8"]
 

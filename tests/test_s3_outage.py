@@ -14,13 +14,11 @@ import pytest
 
 from _s3_server import MotoServer
 from _tcp_proxy import TcpProxy
-from stages.data_tools import write_arith_dataset
-from stages.tiny_model import save_tiny_model
 from storage.artifacts import read_manifest
 from storage.layout import RunLayout
 from storage.store import Store
 from storage.weights import folder_manifest
-from test_flows import PROJECT, tiny_overrides
+from test_flows import PROJECT, tiny_overrides, write_run_assets
 
 REPO = Path(__file__).resolve().parent.parent
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
@@ -31,11 +29,7 @@ TWO_RANKS = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.log_prob_mi
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    base = tmp_path_factory.mktemp("assets")
-    save_tiny_model(base / "model")
-    write_arith_dataset(base / "train.parquet", n=40)
-    write_arith_dataset(base / "test.parquet", n=8, split="test")
-    return base
+    return write_run_assets(tmp_path_factory.mktemp("assets"))
 
 
 def train(env, root: str, assets, tmp_path, experiment: str):
