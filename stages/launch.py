@@ -199,13 +199,21 @@ def init_distributed(device: str = "cpu"):
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if "WORLD_SIZE" not in os.environ:
+    own_port = "WORLD_SIZE" not in os.environ
+    if own_port:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cuda = str(device).startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    for attempt in range(4):
+        try:
+            dist.init_process_group(backend="nccl" if cuda else "gloo")
+            break
+        except dist.DistNetworkError as e:  # our own port taken between the check and the bind: take another
+            if not own_port or "EADDRINUSE" not in str(e) or attempt == 3:
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())
     return dist.get_rank(), dist.get_world_size()
 
 

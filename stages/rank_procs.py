@@ -40,8 +40,10 @@ def job_error(message: str, error_texts: list[str]) -> RuntimeError:
 
 
 def free_port() -> int:
+    """A port free on every local address: torch's TCPStore listens on the wildcard address, so a
+    port free on 127.0.0.1 alone can still be taken on another interface (EADDRINUSE at init)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

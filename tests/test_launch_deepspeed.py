@@ -3,6 +3,9 @@ update stage gives bit-identical weights to the torchrun launch, rank_entry shar
 gathers results over the process group, a failing rank's traceback comes back, and bad hostfiles
 are refused by name. Real launches (a deepspeed launch costs ~8-15 s here, torchrun 3-13 s): four."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from stages import launch, update
 from stages.launch import deepspeed_command, run_ranks
 from stages.tiny_model import save_tiny_model
 from storage.artifacts import read_file
+
+REPO = Path(__file__).resolve().parent.parent
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
 
@@ -125,3 +130,25 @@ def test_bad_hostfiles_refused_by_key_and_file(tmp_path, monkeypatch):
     assert cmd[cmd.index("--master_addr") + 1] == "10.0.0.7" and cmd[cmd.index("--num_gpus") + 1] == "1"
     with pytest.raises(ValueError, match="3 ranks do not fit"):
         deepspeed_command(entry, 3, two, tmp_path, 29555)
+
+
+def test_in_process_group_takes_another_port_when_its_own_is_taken():
+    """init_distributed's one-process group picks a free port; if another socket takes it before the
+    store binds (the race two test workers or a vLLM engine can hit), it takes a fresh port instead
+    of failing. Run in a child process: a process group is process-wide."""
+    code = r'''
+import os, socket
+import torch, torch.distributed as dist
+from stages import launch
+taken = socket.socket(); taken.bind(("", 0)); taken.listen(1)
+port = taken.getsockname()[1]
+ports = iter([port])
+real = launch.free_port
+launch.free_port = lambda: next(ports, None) or real()
+print(launch.init_distributed("cpu"), os.environ["MASTER_PORT"] != str(port))
+t = torch.ones(2); dist.all_reduce(t); print(t.tolist())
+'''
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["(0, 1) True", "[1.0, 1.0]"]
