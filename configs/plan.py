@@ -46,9 +46,22 @@ def _fmt(value: Any) -> str:
 
 
 def uses_critic(cfg: dict) -> bool:
-    """verl: critic.enable when set, else only for GAE (verl/trainer/ppo/ray_trainer.py)."""
+    """verl (need_critic in verl/trainer/ppo/utils.py): critic.enable when set, else whether the
+    estimator needs critic values (it declares so in stages.advantages' registry: gae)."""
     enable = get_path(cfg, "critic.enable")
-    return bool(enable) if enable is not None else get_path(cfg, "algorithm.adv_estimator") == "gae"
+    return bool(enable) if enable is not None else "values" in adv_estimator_needs(cfg)
+
+
+def adv_estimator_needs(cfg: dict) -> frozenset:
+    """The needs algorithm.adv_estimator declared at registration (an unknown name: ConfigError
+    listing the registered ones)."""
+    from stages.advantages import ADV_ESTIMATORS  # a pure registry module (tests/test_architecture.py)
+
+    name = get_path(cfg, "algorithm.adv_estimator")
+    if name not in ADV_ESTIMATORS:
+        raise ConfigError(f"algorithm.adv_estimator={name!r} is not a registered estimator; registered: "
+                          f"{', '.join(sorted(ADV_ESTIMATORS))}")
+    return ADV_ESTIMATORS[name].needs
 
 
 def uses_ref(cfg: dict) -> bool:

@@ -151,7 +151,7 @@ def render_plan(plan: dict, cfg) -> str:
             out.append(_line("value forward passes per rank", c["value_forward_passes_per_rank"],
                              f"= ceil({c['samples_per_dp_rank']} ÷ forward micro {c['forward_micro_batch_size_per_gpu']})"))
     else:
-        out.append("Critic: not used (adv_estimator is not gae and critic.enable is not set)")
+        out.append("Critic: not used (the estimator declares no need for critic values and critic.enable is not set)")
     if plan["reward_model"]:
         rm = plan["reward_model"]
         out.append(_line("reward-model micro per rank", rm["micro_batch_size_per_gpu"], ""))

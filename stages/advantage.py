@@ -43,10 +43,10 @@ def run(ctx) -> dict:
     from stages.advantages import compute_advantage, get_adv_estimator
 
     estimator = ctx.get("algorithm.adv_estimator")
-    get_adv_estimator(estimator)  # unknown name: lists the registered ones, before any reading
+    needs = get_adv_estimator(estimator).needs  # unknown name: lists the registered ones, before any reading
     use_kl = bool(ctx.get("algorithm.use_kl_in_reward"))
     critic = uses_critic(ctx.cfg)
-    batch = load_batch(ctx, need_values=estimator == "gae" or critic, need_ref=use_kl)
+    batch = load_batch(ctx, need_values="values" in needs or critic, need_ref=use_kl)
     mask, scores = batch["response_mask"], batch["token_level_scores"]
 
     kl_state = {}
@@ -161,7 +161,8 @@ def load_batch(ctx, need_values: bool, need_ref: bool) -> dict:
         columns.append("values")
     for name in columns:
         if name not in logprob.schema.names or logprob.column(name).null_count:
-            why = ("algorithm.adv_estimator=gae / the critic" if name == "values"
+            why = (f"algorithm.adv_estimator={ctx.get('algorithm.adv_estimator')}, which declares it needs "
+                   "critic values, or critic.enable" if name == "values"
                    else "algorithm.use_kl_in_reward")
             raise AdvantageInputError(f"logprob.parquet of step {ctx.step} has no {name!r} "
                                       f"(needed by {why})")

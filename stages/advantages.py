@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = [
-    "ADV_ESTIMATORS", "get_adv_estimator", "compute_advantage", "masked_mean", "masked_var",
+    "ADV_ESTIMATORS", "register_adv_estimator", "estimator_needs", "get_adv_estimator", "compute_advantage", "masked_mean", "masked_var",
     "masked_whiten", "compute_grpo_advantage", "compute_rloo_advantage",
     "compute_reinforce_plus_plus_advantage", "compute_reinforce_plus_plus_baseline_advantage",
     "compute_gae_advantage",
@@ -71,7 +71,35 @@ def _groups(index: Sequence, bs: int) -> dict:
     return groups
 
 
+# --------------------------------------------------------------------------- the registry
+ADV_ESTIMATORS: dict[str, Callable] = {}
+NEEDS = ("values", "baseline")  # critic values (bs, T); a greedy baseline rollout's score per row
+
+
+def register_adv_estimator(name: str, needs: tuple[str, ...] = ()) -> Callable:
+    """Register `fn` as algorithm.adv_estimator=name. `needs` declares its inputs beyond rewards,
+    mask and index: "values" (the critic runs: the plan adds it, the logprob stage computes values)
+    or "baseline" (the rollout stage adds one greedy answer per prompt, the reward stage scores it).
+    The plan and the stages read the declaration (estimator_needs); nothing tests the name."""
+    unknown = set(needs) - set(NEEDS)
+    if unknown:
+        raise ValueError(f"estimator {name!r}: unknown needs {sorted(unknown)}; known: {', '.join(NEEDS)}")
+
+    def register(fn: Callable) -> Callable:
+        fn.needs = frozenset(needs)
+        ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return register
+
+
+def estimator_needs(name: str) -> frozenset:
+    """What estimator `name` declared it needs (a subset of NEEDS)."""
+    return get_adv_estimator(name).needs
+
+
 # --------------------------------------------------------------------------- estimators
+@register_adv_estimator("grpo")
 def compute_grpo_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
                            norm_adv_by_std_in_grpo: bool = True):
     """A_i = (s_i - mean_g)/(std_g + eps), std unbiased; group of 1: mean 0, std 1; Dr.GRPO: s_i - mean_g."""
@@ -90,6 +118,7 @@ def compute_grpo_advantage(token_level_rewards, response_mask, index, epsilon: f
     return adv, adv
 
 
+@register_adv_estimator("rloo")
 def compute_rloo_advantage(token_level_rewards, response_mask, index):
     """A_i = s_i*K/(K-1) - mean_g*K/(K-1) (= s_i - mean of the other K-1 rows); K = 1: A_i = s_i."""
     mask = _float_mask(response_mask, token_level_rewards)
@@ -104,6 +133,7 @@ def compute_rloo_advantage(token_level_rewards, response_mask, index):
     return adv, adv
 
 
+@register_adv_estimator("reinforce_plus_plus")
 def compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma: float = 1.0):
     """G_t = r_t + gamma*G_{t+1} (running return reset by mask); A = masked_whiten(G) * mask; returns = G."""
     mask = _float_mask(response_mask, token_level_rewards)
@@ -118,6 +148,7 @@ def compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, ga
     return adv, returns * mask
 
 
+@register_adv_estimator("reinforce_plus_plus_baseline")
 def compute_reinforce_plus_plus_baseline_advantage(token_level_rewards, response_mask, index):
     """A = masked_whiten((s_i - mean_g) broadcast * mask) * mask; group of 1: mean 0; returns = A."""
     mask = _float_mask(response_mask, token_level_rewards)
@@ -132,6 +163,7 @@ def compute_reinforce_plus_plus_baseline_advantage(token_level_rewards, response
     return adv, adv
 
 
+@register_adv_estimator("gae", needs=("values",))
 def compute_gae_advantage(token_level_rewards, response_mask, values, gamma: float = 1.0,
                           lam: float = 1.0):
     """delta_t = r_t + gamma*V_{t+1} - V_t, A_t = delta_t + gamma*lam*A_{t+1}; returns = A + V; A whitened."""
@@ -153,15 +185,6 @@ def compute_gae_advantage(token_level_rewards, response_mask, values, gamma: flo
         returns = adv + values
         adv = masked_whiten(adv, mask)
     return adv * mask, returns * mask
-
-
-ADV_ESTIMATORS: dict[str, Callable] = {
-    "gae": compute_gae_advantage,
-    "grpo": compute_grpo_advantage,
-    "rloo": compute_rloo_advantage,
-    "reinforce_plus_plus": compute_reinforce_plus_plus_advantage,
-    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantage,
-}
 
 
 def get_adv_estimator(name: str) -> Callable:
