@@ -219,6 +219,11 @@ def _rollout(cfg, world: int, seq_len: int, warnings: list) -> dict:
         raise PlanError(f"rollout world_size: {world} is not divisible by infer_world_size: {infer_world} "
                         f"({tp_key} {tp} × data_parallel_size {rdp}): every engine needs whole ranks",
                         (tp_key, GPUS))
+    per_node = min(get_path(cfg, GPUS), infer_world)
+    if infer_world % per_node:  # verl: RolloutReplica (verl/workers/rollout/replica.py)
+        raise PlanError(f"rollout replica world_size {infer_world} ({tp_key} {tp} × data_parallel_size {rdp}) must "
+                        f"be divisible by gpus_per_node {per_node}: a replica larger than a node spans whole nodes",
+                        (tp_key, GPUS))
     replicas = world // infer_world
     tbs, n = get_path(cfg, TBS), get_path(cfg, N)
     per_replica = ceil(tbs / replicas)

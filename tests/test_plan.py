@@ -266,6 +266,11 @@ REFUSALS = [
     ("critic forward micro null", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=6",
                                    "critic.forward_micro_batch_size_per_gpu=null"], "forward_micro_batch_size_per_gpu is null"),
     ("TP does not divide world", [f"{R}tensor_model_parallel_size=4"], "rollout world_size: 2 is not divisible by infer_world_size: 4"),
+    ("TP group larger than a node spans part of one (verl: RolloutReplica)",
+     ["trainer.nnodes=3", "trainer.n_gpus_per_node=8", f"{R}tensor_model_parallel_size=12", "data.train_batch_size=48",
+      f"{A}ppo_mini_batch_size=24", f"{A}ppo_micro_batch_size_per_gpu=2", f"{R}log_prob_micro_batch_size_per_gpu=2"],
+     "rollout replica world_size 12 (actor_rollout_ref.rollout.tensor_model_parallel_size 12 × data_parallel_size 1) "
+     "must be divisible by gpus_per_node 8"),
     ("vLLM context below sequence", [f"{R}name=vllm", f"{R}max_model_len=90"], "max_model_len=90"),
     ("vLLM token budget without chunked prefill", [f"{R}name=vllm", f"{R}enable_chunked_prefill=false",
                                                    f"{R}max_num_batched_tokens=64"], "max_num_batched_tokens=64"),
