@@ -309,6 +309,9 @@ def _verl_notices(tree: dict, warnings: list[str]) -> None:
     if actor["clip_ratio"] != 0.2 and actor["clip_ratio_low"] is not None and actor["clip_ratio_high"] is not None:
         warnings.append("actor.clip_ratio has no effect while clip_ratio_low and clip_ratio_high are set "
                         "(as in verl); set those two instead")
+    if tree["algorithm"]["rollout_correction"]["rollout_is"] and not tree["actor_rollout_ref"]["rollout"]["calculate_log_probs"]:
+        raise ConfigError("algorithm.rollout_correction.rollout_is is set but actor_rollout_ref.rollout.calculate_log_probs "
+                          "is false: the correction weighs by the rollout engine's log-probs; set it true")
     val = tree["actor_rollout_ref"]["rollout"]["val_kwargs"]
     if val["do_sample"] and not val["temperature"] > 0:
         raise ConfigError("actor_rollout_ref.rollout.val_kwargs: validation gen temperature should be "

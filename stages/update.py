@@ -98,6 +98,7 @@ def commit_later(ctx, work: Path, results: list, commit, launch_s: float) -> dic
     ctx.session.defer(STAGE, ctx.step, fingerprint, partial(commit, actor_hashes=hashes),
                       local_weights=local)
     metrics = build_metrics(results, launch_s=launch_s, upload_s=0.0)
+    metrics.update(engine_mismatch(ctx, results))
     scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {"stage": STAGE, "step": ctx.step, "fingerprint": fingerprint, "row_count": None, "files": {},
             "timings": {}, "extra": {"metrics": scalars, "committing": "in the background"}}
@@ -124,6 +125,7 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
                         extra={"step": ctx.step})
         t3 = time.perf_counter()
         metrics = build_metrics(results, launch_s=launch_s, upload_s=t3 - t2)
+        metrics.update(engine_mismatch(ctx, results))
         for line in metrics["update/load_lines"]:
             print(line, flush=True)
         table = microbatch_table(results, logprob_micro_batches(ctx))
@@ -167,6 +169,28 @@ def build_metrics(results: list, launch_s: float, upload_s: float) -> dict:
     metrics["update/micro_batch_loads"] = loads
     metrics["update/load_lines"] = lines
     return metrics
+
+
+def engine_mismatch(ctx, results: list) -> dict:
+    """verl's rollout_corr/* diagnostics (stages.rollout_correction.offpolicy_metrics) between the
+    rollout engine's log-probs (rollout.calculate_log_probs) and the trainer's old log-probs: those
+    of the logprob stage's actor pass, or of the update's own first forward when that replaced it.
+    Empty when the rollout stored no log-probs."""
+    from stages.rollout_correction import offpolicy_metrics, pad_rows
+    from storage.artifacts import read_table
+
+    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    if "rollout_log_probs" not in rollout.schema.names or rollout.column("rollout_log_probs").null_count:
+        return {}
+    if results[0].get("log_probs") is not None:
+        old = forward_log_probs_table(results, rollout.num_rows).column("old_log_probs").to_pylist()
+    else:
+        old = read_table(ctx.store, ctx.layout, ctx.step, "logprob").column("old_log_probs").to_pylist()
+    engine = rollout.column("rollout_log_probs").to_pylist()
+    if [len(r) for r in old] != [len(r) for r in engine]:
+        raise ValueError(f"step {ctx.step}: rollout_log_probs and the trainer's old log-probs differ in length")
+    old_t, mask = pad_rows(old)
+    return offpolicy_metrics(old_t, pad_rows(engine)[0], mask)
 
 
 def forward_log_probs_table(results: list, n_rows: int):
