@@ -60,6 +60,8 @@ def run_inspect(args) -> int:
               f"{sum(r['status'] == 'complete' for r in rows)} complete")
         cols = ("step", "status", "rows", "score/mean", "acc/mean", "response_length/mean",
                 "entropy", "kl", "pg_loss")
+        if any(r.get("engine_kl") is not None for r in rows):  # rollout engine vs trainer log-probs
+            cols += ("engine_kl",)
         table = [cols] + [tuple(_fmt(r.get(c)) for c in cols) for r in rows]
         widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
         for t in table:

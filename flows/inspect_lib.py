@@ -246,6 +246,7 @@ def overview_row(view, step: int) -> dict:
     if status["update"]:
         m = view.update_metrics(step)
         row["pg_loss"] = m.get("actor/pg_loss")
+        row["engine_kl"] = m.get("rollout_corr/kl")  # rollout engine vs trainer (calculate_log_probs runs)
     return row
 
 

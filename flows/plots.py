@@ -50,8 +50,10 @@ def metrics_figure(view, steps):
     for r, s in zip(rows, steps):  # KL: the update's ppo_kl when the run has no reference
         if r.get("kl") is None and view.manifest(s, "update"):
             r["kl"] = view.update_metrics(s).get("actor/ppo_kl")
-    fig, axes = plt.subplots(len(OVER_STEPS), 1, figsize=(6, 2.2 * len(OVER_STEPS)), sharex=True)
-    for ax, (key, label) in zip(axes, OVER_STEPS):
+    panels = OVER_STEPS + ((("engine_kl", "KL(rollout engine || trainer)"),)  # when the rollout kept its log-probs
+                           if any(r.get("engine_kl") is not None for r in rows) else ())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(6, 2.2 * len(panels)), sharex=True)
+    for ax, (key, label) in zip(axes, panels):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")

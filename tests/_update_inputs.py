@@ -27,8 +27,10 @@ def make_ctx(tmp_path, model_dir, step=1, overrides=()):
     return StageContext.create(cfg, make_plan(cfg), step)
 
 
-def write_inputs(ctx, seed=0, vocab=500, critic=False, nan_advantage=False, response_lengths=None):
-    """rollout/logprob/advantage tables of ctx.plan['rows_per_step'] rows with skewed lengths."""
+def write_inputs(ctx, seed=0, vocab=500, critic=False, nan_advantage=False, response_lengths=None,
+                 engine_shift=None):
+    """rollout/logprob/advantage tables of ctx.plan['rows_per_step'] rows with skewed lengths;
+    engine_shift: the rollout also stores engine log-probs = old log-probs + engine_shift."""
     rng = np.random.default_rng(seed + 1000 * ctx.step)
     rows = ctx.plan["rows_per_step"]
     max_resp = ctx.get("data.max_response_length")
@@ -49,6 +51,10 @@ def write_inputs(ctx, seed=0, vocab=500, critic=False, nan_advantage=False, resp
     logprob = {"old_log_probs": tok(0.3, -6.0), "ref_log_probs": tok(0.3, -6.0), "entropy": tok(0.1, 5.0)}
     if critic:
         logprob["values"] = tok(0.5)
+    if engine_shift is not None:
+        rollout = rollout.append_column("rollout_log_probs", make_table("rollout", {
+            **rollout.to_pydict(), "rollout_log_probs": [[v + engine_shift for v in r] for r in logprob["old_log_probs"]]
+        }).column("rollout_log_probs"))
     adv = [[float(a)] * k for a, k in zip(rng.standard_normal(rows), rlens)]
     if nan_advantage:
         adv[0][0] = float("nan")

@@ -81,3 +81,33 @@ def test_config_requires_engine_log_probs():
     cfg = load_config("tiny-cpu", ["algorithm.rollout_correction.rollout_is=sequence",
                                    "actor_rollout_ref.rollout.calculate_log_probs=true"])
     assert cfg["algorithm"]["rollout_correction"] == {"rollout_is": "sequence", "rollout_is_threshold": 2.0}
+
+
+# ---- the update stage records the mismatch --------------------------------------------------------
+def test_update_records_engine_mismatch_against_either_source_of_old_log_probs(tmp_path):
+    """Engine log-probs stored as old + 0.25: with the logprob stage's pass (ppo_epochs=2) the
+    trainer's old log-probs are the logprob table's, so rollout_corr/kl = 0.25 exactly; with the
+    on-policy shortcut they come from the update's own forward (update/log_probs.parquet)."""
+    from _update_inputs import make_ctx, write_inputs
+    from stages import update
+    from stages.tiny_model import save_tiny_model
+    from storage.artifacts import read_file
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    for name, overrides in (("pass", ["actor_rollout_ref.actor.ppo_epochs=2"]), ("shortcut", [])):
+        ctx = make_ctx(tmp_path / name, model_dir, 1, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                                                       *overrides])
+        assert ctx.plan["rollout"]["old_log_prob_pass"] is (name == "pass")
+        write_inputs(ctx, engine_shift=0.25)
+        update.run(ctx)
+        metrics = read_file(ctx.store, ctx.layout, 1, "update", "update/metrics.json")
+        engine = read_file(ctx.store, ctx.layout, 1, "rollout").column("rollout_log_probs").to_pylist()
+        if name == "pass":
+            assert metrics["rollout_corr/kl"] == pytest.approx(0.25, abs=1e-6)
+            assert metrics["rollout_corr/log_ppl_diff"] == pytest.approx(0.25, abs=1e-6)
+            # k3 = e^-0.25 + 0.25 - 1 for every token
+            assert metrics["rollout_corr/k3_kl"] == pytest.approx(math.exp(-0.25) - 0.75, abs=1e-6)
+        else:
+            old = read_file(ctx.store, ctx.layout, 1, "update", "update/log_probs.parquet").column("old_log_probs").to_pylist()
+            diffs = [e - o for er, orow in zip(engine, old) for e, o in zip(er, orow)]
+            assert metrics["rollout_corr/kl"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
