@@ -299,6 +299,29 @@ def with_override(cfg: Config, path: str, value: Any) -> Config:
     return finish_config(raw, [], cfg.source, cfg.overrides + [f"{path}={value}"])
 
 
+def _dapo_checks(tree: dict) -> None:
+    """DAPO's keys (verl's recipe: dynamic sampling and the overlong buffer) fit together."""
+    groups, rm = tree["algorithm"]["filter_groups"], tree["reward_model"]
+    if groups["enable"]:
+        if not groups["metric"]:
+            raise ConfigError("algorithm.filter_groups.enable needs algorithm.filter_groups.metric (acc, score, "
+                              "seq_reward or seq_final_reward): the value that must vary within a group")
+        if groups["metric"] == "seq_final_reward" and tree["algorithm"]["use_kl_in_reward"]:
+            raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward: the "
+                              "KL penalty needs reference log-probs, computed after the rollout; use seq_reward")
+        if rm["enable"]:
+            raise ConfigError("algorithm.filter_groups.enable with reward_model.enable: dynamic sampling scores "
+                              "with the rule/custom reward only; disable one of them")
+    buffer = rm["overlong_buffer"]
+    if buffer["enable"]:
+        if rm["reward_manager"] != "dapo":
+            raise ConfigError("reward_model.overlong_buffer.enable needs reward_model.reward_manager=dapo (as verl: "
+                              f"the {rm['reward_manager']} manager ignores it)")
+        if not 0 < buffer["len"] <= tree["data"]["max_response_length"]:
+            raise ConfigError(f"reward_model.overlong_buffer.len={buffer['len']} must be in 1..data.max_response_length "
+                              f"({tree['data']['max_response_length']})")
+
+
 def _verl_notices(tree: dict, warnings: list[str]) -> None:
     """verl's own driver-side notices (verl/trainer/main_ppo.py and ray_trainer.py's config checks)."""
     actor = tree["actor_rollout_ref"]["actor"]
@@ -312,6 +335,7 @@ def _verl_notices(tree: dict, warnings: list[str]) -> None:
     if tree["algorithm"]["rollout_correction"]["rollout_is"] and not tree["actor_rollout_ref"]["rollout"]["calculate_log_probs"]:
         raise ConfigError("algorithm.rollout_correction.rollout_is is set but actor_rollout_ref.rollout.calculate_log_probs "
                           "is false: the correction weighs by the rollout engine's log-probs; set it true")
+    _dapo_checks(tree)
     val = tree["actor_rollout_ref"]["rollout"]["val_kwargs"]
     if val["do_sample"] and not val["temperature"] > 0:
         raise ConfigError("actor_rollout_ref.rollout.val_kwargs: validation gen temperature should be "

@@ -96,6 +96,8 @@ def print_stage(name: str, sec: dict) -> None:
         print(f"    response_length: {_kv(sec['response_length'])}")
         print(f"    prompt_length:   {_kv(sec['prompt_length'])}  prompts={sec['prompts']}")
         print(f"    finish_reason:   {_kv(sec['finish_reason'])}")
+        if "filter_groups" in sec:  # the rows are in `stagerl query ... FROM candidates`
+            print(f"    filter_groups:   {_kv(sec['filter_groups'])}")
     elif name == "logprob":
         print(f"    {_kv(sec['metrics'])}")
         for role, per_rank in (sec["loads"].get("loads") or {}).items():

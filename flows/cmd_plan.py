@@ -152,6 +152,12 @@ def render_plan(plan: dict, cfg) -> str:
                              f"= ceil({c['samples_per_dp_rank']} ÷ forward micro {c['forward_micro_batch_size_per_gpu']})"))
     else:
         out.append("Critic: not used (the estimator declares no need for critic values and critic.enable is not set)")
+    groups = cfg["algorithm"]["filter_groups"]
+    if groups["enable"]:  # DAPO: the rollout generates until enough groups vary
+        gen, limit = cfg["data"]["gen_batch_size"] or plan["prompts_per_step"], groups["max_num_gen_batches"]
+        out.append(f"Dynamic sampling (algorithm.filter_groups): batches of data.gen_batch_size {gen} prompts × n {n} until "
+                   f"{plan['prompts_per_step']} groups with a varied {groups['metric']} are kept; "
+                   + (f"at most {limit} batches = {limit * gen} prompts" if limit > 0 else "no batch limit"))
     if plan["reward_model"]:
         rm = plan["reward_model"]
         out.append(_line("reward-model micro per rank", rm["micro_batch_size_per_gpu"], ""))

@@ -115,9 +115,13 @@ def rollout_metrics(view, step: int) -> dict:
     reasons = {}
     for r in t.column("finish_reason").to_pylist():
         reasons[r] = reasons.get(r, 0) + 1
-    return {"response_length": resp,
-            "prompt_length": _stats(len(ids) for ids in t.column("prompt_ids").to_pylist()),
-            "finish_reason": reasons, "prompts": len(set(t.column("uid").to_pylist()))}
+    out = {"response_length": resp,
+           "prompt_length": _stats(len(ids) for ids in t.column("prompt_ids").to_pylist()),
+           "finish_reason": reasons, "prompts": len(set(t.column("uid").to_pylist()))}
+    filtered = (view.manifest(step, "rollout").get("extra") or {}).get("filter_groups")
+    if filtered:  # DAPO's dynamic sampling: what was generated, kept and filtered
+        out["filter_groups"] = filtered
+    return out
 
 
 def logprob_metrics(view, step: int) -> dict:

@@ -29,7 +29,7 @@ from storage.schemas import make_table
 STAGE = "reward"
 INPUTS = ("rollout",)
 CONFIG_KEYS = ("data.reward_fn_key", "custom_reward_function", "reward", "reward_model")
-RESERVED_COLUMNS = ("score", "acc", "extras", "error", "rm_score")
+RESERVED_COLUMNS = ("score", "acc", "extras", "error", "rm_score", "overlong_reward", "overlong")
 
 
 class RewardInputError(ValueError):
@@ -43,16 +43,8 @@ class NonFiniteScoreError(ValueError):
 def run(ctx) -> dict:
     t0 = time.perf_counter()
     rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
-    rows = scoring_rows(rollout, ctx.get("data.reward_fn_key", "data_source"))
-    fn_spec = reward_fn_spec(ctx)
-    from stages.scorer_pool import score_batch
-
-    workers, timeout = int(ctx.get("reward.num_workers", 2)), float(ctx.get("reward.timeout_s", 10.0))
-    pool = ctx.session.scorers(fn_spec, workers, timeout) if ctx.session is not None else None
-    results, metrics = score_batch(rows, fn_spec, num_workers=workers, timeout_s=timeout,
-                                   strict=bool(ctx.get("reward.strict", False)), pool=pool)
+    results, scores, metrics, overlong = rule_rewards(ctx, rollout)
     timings = {"score_s": round(time.perf_counter() - t0, 4)}
-    scores = [r["score"] for r in results]
     rm_scores = None
     if ctx.get("reward_model.enable"):
         t1 = time.perf_counter()
@@ -61,7 +53,7 @@ def run(ctx) -> dict:
         timings["reward_model_s"] = round(time.perf_counter() - t1, 4)
     check_finite(scores, "score")
 
-    table = reward_table(results, scores, rm_scores)
+    table = reward_table(results, scores, rm_scores, overlong)
     if table.num_rows != rollout.num_rows:  # cannot happen unless score_batch drops rows
         raise RuntimeError(f"reward table has {table.num_rows} rows, rollout has {rollout.num_rows}")
     metrics.update(score_metrics(table))
@@ -69,6 +61,38 @@ def run(ctx) -> dict:
     return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table, fingerprint=fingerprint,
                        inputs=ctx.input_fingerprints(INPUTS), timings=timings,
                        extra={"metrics": metrics})
+
+
+def rule_rewards(ctx, rollout: pa.Table):
+    """Score the rows with the rule scorers / the user's function (isolated, with timeouts), plus
+    DAPO's overlong penalty when reward_model.reward_manager=dapo and overlong_buffer.enable.
+    Returns (scorer results, scores, metrics, overlong penalties or None). The dynamic sampling of
+    the rollout stage scores its generation batches with the same function."""
+    from stages.scorer_pool import score_batch
+
+    rows = scoring_rows(rollout, ctx.get("data.reward_fn_key", "data_source"))
+    fn_spec = reward_fn_spec(ctx)
+    workers, timeout = int(ctx.get("reward.num_workers", 2)), float(ctx.get("reward.timeout_s", 10.0))
+    pool = ctx.session.scorers(fn_spec, workers, timeout) if ctx.session is not None else None
+    results, metrics = score_batch(rows, fn_spec, num_workers=workers, timeout_s=timeout,
+                                   strict=bool(ctx.get("reward.strict", False)), pool=pool)
+    scores = [r["score"] for r in results]
+    overlong = None
+    if ctx.get("reward_model.reward_manager") == "dapo" and ctx.get("reward_model.overlong_buffer.enable"):
+        overlong = overlong_penalties(rollout.column("response_length").to_pylist(),
+                                      int(ctx.get("data.max_response_length")),
+                                      int(ctx.get("reward_model.overlong_buffer.len")),
+                                      float(ctx.get("reward_model.overlong_buffer.penalty_factor")))
+        scores = [s + o for s, o in zip(scores, overlong)]
+        metrics["reward/overlong/fraction"] = sum(o < 0 for o in overlong) / max(1, len(overlong))
+    return results, scores, metrics, overlong
+
+
+def overlong_penalties(lengths, max_response_length: int, buffer_len: int, penalty_factor: float) -> list[float]:
+    """verl's DAPORewardManager: min(-(length - (max_response_length - buffer_len)) / buffer_len ×
+    penalty_factor, 0) per response (length in tokens, EOS included)."""
+    expected = max_response_length - buffer_len
+    return [min(-(n - expected) / buffer_len * penalty_factor, 0.0) for n in lengths]
 
 
 def reward_fn_spec(ctx) -> dict:
@@ -125,8 +149,9 @@ def check_finite(values, what: str, where: str = "reward") -> None:
                                   f"rows {shown}")
 
 
-def reward_table(results: list[dict], scores: list[float], rm_scores=None) -> pa.Table:
-    """score, acc (the scorer's acc; else the score), extras JSON, error, scalar extras, rm_score."""
+def reward_table(results: list[dict], scores: list[float], rm_scores=None, overlong=None) -> pa.Table:
+    """score, acc (the scorer's acc; else the score), extras JSON, error, scalar extras, rm_score,
+    overlong_reward/overlong (DAPO's overlong buffer)."""
     columns = {
         "score": scores,
         "acc": [0.0 if r["error"] else float(r["acc"]) if r["acc"] is not None else float(r["score"])
@@ -136,6 +161,8 @@ def reward_table(results: list[dict], scores: list[float], rm_scores=None) -> pa
     }
     if rm_scores is not None:
         columns["rm_score"] = rm_scores
+    if overlong is not None:
+        columns["overlong_reward"], columns["overlong"] = overlong, [o < 0 for o in overlong]
     for key in sorted({k for r in results for k in r["extras"]}):
         if key in RESERVED_COLUMNS:
             continue

@@ -29,6 +29,9 @@ STAGE = "rollout"
 INPUTS = ()
 CONFIG_KEYS = ("data", "actor_rollout_ref.model.path", "actor_rollout_ref.model.custom_chat_template",
                "actor_rollout_ref.rollout", "trainer.seed", "trainer.device")
+# with DAPO's dynamic sampling the kept rows also depend on the filter and on the reward
+FILTER_KEYS = ("algorithm.filter_groups", "data.reward_fn_key", "custom_reward_function", "reward",
+               "reward_model.reward_manager", "reward_model.overlong_buffer")
 ROLLOUT = "actor_rollout_ref.rollout"
 
 
@@ -38,7 +41,12 @@ def stage_fingerprint(ctx) -> str:
     outcome (e.g. the reward file changed) step k re-runs from its rollout on."""
     from storage.artifacts import fingerprint as hash_obj, read_manifest
 
-    base = ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS)
+    filtering = bool(ctx.get("algorithm.filter_groups.enable"))
+    base = ctx.fingerprint(STAGE, CONFIG_KEYS + (FILTER_KEYS if filtering else ()), INPUTS)
+    if filtering and ctx.get("custom_reward_function.path"):
+        from stages.reward import stage_fingerprint as reward_fingerprint
+
+        base = hash_obj({"base": base, "reward": reward_fingerprint(ctx)})  # the reward file's content
     if ctx.step <= 1 and not ctx.get("warmstart.enable"):
         return base  # the initial model: its path is in CONFIG_KEYS
     step, stage = (ctx.step - 1, "update") if ctx.step > 1 else (0, "warmstart")
@@ -95,9 +103,11 @@ def _truth_text(truth) -> str:
     return truth if isinstance(truth, str) else json.dumps(truth, sort_keys=True, default=str)
 
 
-def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpose: str = STAGE):
+def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpose: str = STAGE,
+                   position_offset: int = 0):
     """Generate `sampling.n` responses for each PromptRow; returns (columns, engine timings).
-    `tokenizer()` gives the model's tokenizer (called only when no resident worker decodes)."""
+    `tokenizer()` gives the model's tokenizer (called only when no resident worker decodes).
+    position_offset numbers the prompts in uids (dynamic sampling's later generation batches)."""
     n = sampling.n
     prompt_ids = [list(p.prompt_ids) for p in prompts for _ in range(n)]
     for row, ids in enumerate(prompt_ids):
@@ -128,7 +138,7 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
                "finish_reason": [g.finish_reason for g in gens],
                "data_source": [], "ground_truth": [], "extra_info": []}
     for i, p in enumerate(prompts):
-        uid = _uid(ctx.step, i, p)
+        uid = _uid(ctx.step, position_offset + i, p)
         for k in range(n):
             columns["uid"].append(uid)
             columns["sample_index"].append(k)
@@ -186,17 +196,27 @@ def _model_and_tokenizer(ctx):
 
 
 def run(ctx) -> dict:
-    from storage.artifacts import write_table
+    from storage.artifacts import write_stage
     from storage.schemas import make_table
 
     t0 = time.perf_counter()
     model_dir, tokenizer = _model_and_tokenizer(ctx)
     t_weights = time.perf_counter()
     dataset = _dataset(ctx, "train", model_dir)
-    batch = dataset.batch_for_step(ctx.step - 1)
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")))
     t_data = time.perf_counter()
-    columns, engine_timings = sample_prompts(ctx, batch.rows, sampling, model_dir, tokenizer)
+    files = {}
+    if ctx.get("algorithm.filter_groups.enable"):  # DAPO: generate until enough groups vary
+        from stages.dynamic_sampling import CANDIDATES, collect_groups
+        from stages.reward import rule_rewards
+
+        columns, engine_timings, positions, files[CANDIDATES] = collect_groups(
+            ctx, dataset, sampling, model_dir, tokenizer, sample_prompts, rule_rewards)
+    else:
+        batch = dataset.batch_for_step(ctx.step - 1)
+        columns, engine_timings = sample_prompts(ctx, batch.rows, sampling, model_dir, tokenizer)
+        positions = {"data_position": batch.next_position.to_dict(), "batch_position": batch.position.to_dict(),
+                     "epoch": batch.epoch}
     t_gen = time.perf_counter()
     table = make_table("rollout", columns)
     tokens = sum(columns["response_length"])
@@ -207,12 +227,10 @@ def run(ctx) -> dict:
                "load_weights_s": engine_timings.get("load_weights_s"),
                "table_s": round(time.perf_counter() - t_gen, 4)}
     extra = {
-        "data_position": batch.next_position.to_dict(),
-        "batch_position": batch.position.to_dict(),
-        "epoch": batch.epoch,
+        **positions,
         "engine": engine_timings["engine"],
         "engine_timings": engine_timings,
-        "prompts": len(batch.rows), "rows": table.num_rows, "response_tokens": tokens,
+        "prompts": len(set(columns["uid"])), "rows": table.num_rows, "response_tokens": tokens,
         "tokens_per_s": round(tokens / gen_s, 2) if gen_s else None,
         "tokens_per_s_wall": round(tokens / (t_gen - t_data), 2),
         "finish_stop": columns["finish_reason"].count("stop"),
@@ -223,8 +241,8 @@ def run(ctx) -> dict:
         t_wait = time.perf_counter()
         ctx.session.wait_commits()
         timings["wait_for_update_commit_s"] = round(time.perf_counter() - t_wait, 4)
-    return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table, fingerprint=fingerprint,
-                       inputs={}, timings=timings, extra=extra)
+    return write_stage(ctx.store, ctx.layout, ctx.step, STAGE, {"rollout.parquet": table, **files},
+                       fingerprint=fingerprint, inputs={}, timings=timings, extra=extra)
 
 
 def generate_validation(ctx) -> list[dict]:

@@ -15,7 +15,8 @@ import pyarrow as pa
 
 from storage.schemas import SCHEMAS
 
-TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics")
+TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics", "candidates")
+# candidates: every answer DAPO's dynamic sampling generated (rollout/candidates.parquet), kept or not
 _STAGE_OF = {"rollout": "rollout", "logprob": "logprob", "reward": "reward",
              "advantage": "advantage", "microbatches": "update"}
 _METRICS_SCHEMA = pa.schema([("step", pa.int32()), ("source", pa.string()),
@@ -37,6 +38,8 @@ def stage_table(view, name: str, steps=None) -> pa.Table:
     """One table over the complete steps (those with `name`'s manifest), with step and row."""
     if name == "metrics":
         return metrics_table(view, steps)
+    if name == "candidates":
+        return candidates_table(view, steps)
     if name not in _STAGE_OF:
         raise KeyError(f"no table {name!r}; tables are {', '.join(TABLES)}")
     stage = _STAGE_OF[name]
@@ -46,6 +49,19 @@ def stage_table(view, name: str, steps=None) -> pa.Table:
     if not parts:
         return _empty(name)
     return pa.concat_tables(parts, promote_options="permissive")
+
+
+def candidates_table(view, steps=None) -> pa.Table:
+    """The steps whose rollout kept its dynamic-sampling candidates, with step and row."""
+    from storage.artifacts import read_file
+
+    name = "rollout/candidates.parquet"
+    parts = []
+    for step in (view.complete_steps(["rollout"]) if steps is None else steps):
+        manifest = view.manifest(step, "rollout")
+        if manifest is not None and name in manifest.get("files", {}):
+            parts.append(_with_keys(read_file(view.store, view.layout, step, "rollout", name), step))
+    return pa.concat_tables(parts) if parts else _empty("rollout_candidates")
 
 
 def metrics_table(view, steps=None) -> pa.Table:

@@ -110,6 +110,14 @@ SCHEMAS = {
         required=[("old_log_probs", TOK_F32), ("entropy", TOK_F32)],
         per_token=("old_log_probs", "entropy"),
     ),
+    # rollout/candidates.parquet: every answer DAPO's dynamic sampling generated, kept or not
+    # (stages/dynamic_sampling.py); the kept ones are rollout.parquet's rows.
+    "rollout_candidates": StageSchema(
+        "rollout_candidates",
+        required=[("gen_batch", I32), ("uid", pa.string()), ("sample_index", I32), ("data_source", pa.string()),
+                  ("response_length", I32), ("metric", F32), ("group_std", F32), ("kept", pa.bool_()),
+                  ("reason", pa.string())],
+    ),
     "reward": StageSchema(
         "reward",
         required=[("score", F32), ("acc", F32)],
@@ -133,6 +141,7 @@ SCHEMAS = {
 # Which schema each stored table file uses (by file name in the step folder).
 FILE_SCHEMAS = {
     "rollout.parquet": "rollout",
+    "rollout/candidates.parquet": "rollout_candidates",
     "logprob.parquet": "logprob",
     "reward.parquet": "reward",
     "advantage.parquet": "advantage",

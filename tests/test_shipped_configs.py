@@ -74,6 +74,11 @@ def test_shipped_config_trains_two_steps_on_cpu(config, engine, assets, server, 
     overrides = cpu_substitutions(assets, tmp_path / "runs", gsm8k)
     if engine:
         overrides.append(f"actor_rollout_ref.rollout.name={engine}")
+    dapo = load_config(config, overrides)["algorithm"]["filter_groups"]["enable"]
+    if dapo:  # an untrained model gets every arithmetic answer wrong: every group would be filtered
+        (tmp_path / "vary.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                          "    return float(len(solution_str) % 2)\n")
+        overrides.append(f"custom_reward_function.path={tmp_path / 'vary.py'}")
     cfg = load_config(config, overrides)
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", config, *overrides],
                             cwd=REPO, env=server.env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
@@ -91,6 +96,10 @@ def test_shipped_config_trains_two_steps_on_cpu(config, engine, assets, server, 
         for stage in STAGES:
             assert read_manifest(store, layout, step, stage), (step, stage, out[-3000:])
     assert read_manifest(store, layout, 2, "rollout")["extra"]["engine"] == cfg["actor_rollout_ref"]["rollout"]["name"]
+    if dapo:  # dynamic sampling kept train_batch_size varied groups and stored every answer
+        for step in (1, 2):
+            extra = read_manifest(store, layout, step, "rollout")["extra"]["filter_groups"]
+            assert extra["kept_prompts"] == 4 and extra["generated_rows"] >= 8, extra
     logprob = read_table(store, layout, 2, "logprob").schema.names
     kl = cfg["actor_rollout_ref"]["actor"]["use_kl_loss"] or cfg["algorithm"]["use_kl_in_reward"]
     assert ("ref_log_probs" in logprob) == bool(kl)  # no KL: no reference pass (as verl)
