@@ -340,6 +340,17 @@ def _verl_notices(tree: dict, warnings: list[str]) -> None:
     if val["do_sample"] and not val["temperature"] > 0:
         raise ConfigError("actor_rollout_ref.rollout.val_kwargs: validation gen temperature should be "
                           "greater than 0 when enabling do_sample")
-    if actor["clip_ratio_c"] <= 1.0:
+    _policy_loss_checks(actor)
+
+
+def _policy_loss_checks(actor: dict) -> None:
+    """What verl's policy-loss functions assert, checked where they would be called (only for the
+    loss_mode that reads the key): vanilla's dual-clip c, clip_cov's and kl_cov's ratios."""
+    mode, keys = actor["policy_loss"]["loss_mode"], actor["policy_loss"]
+    if mode == "vanilla" and actor["clip_ratio_c"] <= 1.0:
         raise ConfigError("actor_rollout_ref.actor.clip_ratio_c: the lower bound of the clip_ratio_c for "
                           f"dual-clip PPO should be greater than 1.0, but get the value: {actor['clip_ratio_c']}")
+    for key, needs in (("clip_cov_ratio", "clip_cov"), ("kl_cov_ratio", "kl_cov")):
+        if mode == needs and not keys[key] > 0:
+            raise ConfigError(f"actor_rollout_ref.actor.policy_loss.{key}={keys[key]!r}: must be > 0 with "
+                              f"loss_mode={mode} (verl compute_policy_loss_{mode} asserts it)")

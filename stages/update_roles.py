@@ -94,16 +94,14 @@ class ActorRole(Role):
         job.keep_forward(part, old, entropy)
         adv = job.per_token(part, "advantages", R)
         policy_loss = get_policy_loss(cfg.get("policy_loss", {}).get("loss_mode", "vanilla"))
-        clip = cfg.get("clip_ratio", 0.2)
-        low = cfg.get("clip_ratio_low") if cfg.get("clip_ratio_low") is not None else clip
-        high = cfg.get("clip_ratio_high") if cfg.get("clip_ratio_high") is not None else clip
         mode = self.loss_agg_mode
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-            old, log_prob, adv, mask, clip_ratio_low=low, clip_ratio_high=high,
-            clip_ratio_c=cfg.get("clip_ratio_c", 3.0), loss_agg_mode=mode, **agg)
+        # the loss reads its own keys from the actor section (clip ranges, tau_*, policy_loss.*);
+        # its metrics (pg_clipfrac, ppo_kl, pg_clipfrac_lower where the mode has them) are token
+        # means over this micro-batch: summed here weighted by its tokens
+        pg_loss, pg_metrics = policy_loss(old, log_prob, adv, mask, loss_agg_mode=mode, config=cfg, **agg)
         loss = pg_loss
-        stats = {"pg_loss": pg_loss.item() / agg["dp_size"], "pg_clipfrac": clipfrac.item() * tokens,
-                 "ppo_kl": ppo_kl.item() * tokens, "pg_clipfrac_lower": clipfrac_lower.item() * tokens,
+        stats = {"pg_loss": pg_loss.item() / agg["dp_size"],
+                 **{name: float(value) * tokens for name, value in pg_metrics.items()},
                  "entropy": float((entropy.detach() * mask).sum())}
         if cfg.get("entropy_coeff", 0.0):
             loss = loss - cfg["entropy_coeff"] * agg_loss(entropy, mask, mode, **agg)

@@ -28,17 +28,19 @@ LOGP = OLD + torch.log(T(RATIOS))
 TOKEN_LOSS = [[-1.28, 0.8, 3.0], [-2.0, 0.0, 0.0]]
 
 
+CONFIG = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+
+
 def policy_loss(mode="token-mean", **kw):
-    return compute_policy_loss_vanilla(OLD, LOGP, ADV, MASK, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                       clip_ratio_c=3.0, loss_agg_mode=mode, **kw)
+    return compute_policy_loss_vanilla(OLD, LOGP, ADV, MASK, loss_agg_mode=mode, config=CONFIG, **kw)
 
 
 def test_policy_loss_clip_fractions_and_kl():
-    pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss()
+    pg_loss, metrics = policy_loss()
     close(pg_loss, (-1.28 + 0.8 + 3.0 - 2.0) / 4)
-    close(clipfrac, 2 / 4)               # upper clip (token 1) and lower clip (token 2)
-    close(clipfrac_lower, 1 / 4)         # dual clip (token 3) only
-    close(ppo_kl, -(math.log(1.5) + math.log(0.5) + math.log(4.0) + 0.0) / 4)
+    close(metrics["pg_clipfrac"], 2 / 4)        # upper clip (token 1) and lower clip (token 2)
+    close(metrics["pg_clipfrac_lower"], 1 / 4)  # dual clip (token 3) only
+    close(metrics["ppo_kl"], -(math.log(1.5) + math.log(0.5) + math.log(4.0) + 0.0) / 4)
 
 
 @pytest.mark.parametrize("mode, expected", [
@@ -53,7 +55,7 @@ def test_policy_loss_agg_modes(mode, expected):
 
 def test_policy_loss_gradient_and_is_weights():
     logp = LOGP.clone().requires_grad_(True)
-    loss = compute_policy_loss_vanilla(OLD, logp, ADV, MASK, 0.2, 0.28, 3.0, "token-mean")[0]
+    loss = compute_policy_loss_vanilla(OLD, logp, ADV, MASK, loss_agg_mode="token-mean", config=CONFIG)[0]
     loss.backward()
     # only the unclipped valid token (A=+2, r=1) has a gradient: d(-A r)/dlogp = -A r / 4 tokens
     close(logp.grad, [[0.0, 0.0, 0.0], [-2.0 / 4, 0.0, 0.0]])
@@ -63,19 +65,20 @@ def test_policy_loss_gradient_and_is_weights():
 
 def test_policy_loss_log_ratio_clamped_at_20():
     old, logp = T([[0.0]]), T([[25.0]])
-    _, _, ppo_kl, _ = compute_policy_loss_vanilla(old, logp, T([[-1.0]]), T([[1]]), clip_ratio_c=3.0)
-    close(ppo_kl, -20.0)
+    _, metrics = compute_policy_loss_vanilla(old, logp, T([[-1.0]]), T([[1]]), config={"clip_ratio_c": 3.0})
+    close(metrics["ppo_kl"], -20.0)
 
 
 def test_dual_clip_c_must_exceed_one():
     with pytest.raises(AssertionError, match="should be greater than 1.0, but get the value: 1.0"):
-        compute_policy_loss_vanilla(OLD, LOGP, ADV, MASK, clip_ratio_c=1.0)
+        compute_policy_loss_vanilla(OLD, LOGP, ADV, MASK, config={"clip_ratio_c": 1.0})
 
 
 def test_policy_loss_registry():
-    assert get_policy_loss("vanilla") is compute_policy_loss_vanilla and list(POLICY_LOSSES) == ["vanilla"]
-    with pytest.raises(NotImplementedError, match="gspo.*available: vanilla"):
-        get_policy_loss("gspo")
+    assert get_policy_loss("vanilla") is compute_policy_loss_vanilla
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"}
+    with pytest.raises(NotImplementedError, match="bypass_mode.*available: vanilla, gspo"):
+        get_policy_loss("bypass_mode")
     with pytest.raises(ValueError, match="Unknown policy loss_mode 'ppo'"):
         get_policy_loss("ppo")
 
