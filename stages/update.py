@@ -26,6 +26,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from stages.rank_files import fetch_shipped
 from stages.scratch import scratch_dir
 
 from stages.batching import format_load_line
@@ -74,6 +75,7 @@ def run(ctx) -> dict:
         t1 = time.perf_counter()
         results = run_ranks("stages.update_worker", ctx, world, device=ctx.get("trainer.device") or "cpu",
                             timeout_s=float(ctx.extra.get("update_timeout_s", 3600)))
+        fetch_shipped(ctx, work, STAGE, results)  # files of ranks on other machines (no shared disk)
         t2 = time.perf_counter()
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -137,7 +139,8 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
                                fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
                                inputs=ctx.input_fingerprints(INPUTS),
                                timings={k: v for k, v in metrics.items() if k.startswith("timing/")},
-                               extra={"world": world, "roles": roles})
+                               extra={"world": world, "roles": roles,
+                                      "rank_hosts": [r.get("host") for r in results]})
         _prune_states(ctx)
         return manifest
     finally:

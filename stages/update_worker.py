@@ -28,6 +28,7 @@ packed into bins too with model.use_remove_padding. The loss is exact for any gr
 """
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from stages import batching, binning, update_engine
 from stages.progress import progress
+from stages.rank_files import ship_work_dir
 from stages.update_roles import ACTOR, ActorRole, planned_roles
 
 
@@ -340,10 +342,13 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     job.save_state(work)
     rng = update_engine.rng_state()  # what save_state wrote into rng_rank<r>.pt
     job.export(work)
+    shipped = ship_work_dir(ctx, work, "update", rank)  # ranks on other machines: through the store
     t4 = time.perf_counter()
     if kept is not None:
         kept[key] = (job, ctx.step, rng)
     out["timings"] = {"init_s": t1 - t0, "load_state_s": t2 - t1, "train_s": t3 - t2, "save_export_s": t4 - t3}
     out["rank"] = rank
+    out["host"] = socket.gethostname()
+    out["shipped"] = shipped
     out["engine_reused"] = reused
     return out

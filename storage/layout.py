@@ -151,6 +151,11 @@ class RunLayout:
     def train_state(self) -> str:
         return f"{self.base}/train_state"
 
+    def transfer(self, step: int, stage: str) -> str:
+        """Where ranks on other machines leave files for the machine that launched them (no shared
+        file system: stages/rank_files.py); removed once that machine has fetched them."""
+        return f"{self.base}/_transfer/{check_step(step):06d}/{check_stage(stage)}"
+
 
 def parse_step(name: str):
     """'000012' -> 12; anything else -> None."""

@@ -447,9 +447,10 @@ def stage_pools(server):
 
 def test_multi_pool_step_runs_stages_on_two_pools_and_retries_storage_errors(
         server, stage_pools, assets, tmp_path):
-    """orchestration.mode=deployments: one step whose rollout and update run as deployments on
-    the inference and training pools' workers (the other stages in the flow's process); an
-    injected storage error in reward is retried and the step completes."""
+    """orchestration.mode=deployments: one step whose rollout runs as a deployment on the
+    inference pool's worker, logprob and update (the N-rank stages) on the training pool's (each
+    stage flow its own process), reward and advantage in the flow's process; an injected storage
+    error in reward is retried and the step completes."""
     root = tmp_path / "runs"
     run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "pools", *tiny_overrides(assets, root, 1),
                            "orchestration.mode=deployments"], toy=True,
@@ -458,8 +459,8 @@ def test_multi_pool_step_runs_stages_on_two_pools_and_retries_storage_errors(
     assert "injected storage error" in run.stdout and "Retry 1/" in run.stdout
     store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "pools")
     pid = {s: read_manifest(store, layout, 1, s)["pid"] for s in STAGES}
-    assert len({pid["rollout"], pid["reward"], pid["update"]}) == 3  # three processes
-    assert pid["reward"] == pid["advantage"] == pid["logprob"]  # the flow's own process
+    assert len({pid["rollout"], pid["logprob"], pid["reward"], pid["update"]}) == 4  # four processes
+    assert pid["reward"] == pid["advantage"]  # the flow's own process
     assert store.exists(layout.weights(1))
 
 

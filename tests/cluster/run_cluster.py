@@ -1,0 +1,196 @@
+"""`make cluster-test`: stagerl's multi-host deployment end to end on network-namespace hosts.
+
+    sudo .venv/bin/python tests/cluster/run_cluster.py [--faults]
+
+Four hosts (tests/cluster/hosts.py: own network stack, hostname, PIDs, HOME and TMPDIR; the
+checkout and venv shared like an image; the only data path between them the S3 endpoint):
+ctl (Prefect server, S3, the `cpu` worker that runs rl-train), inf (pool `inference`), trn1 and
+trn2 (sshd, pool `training`). A 2-step tiny-CPU run in orchestration.mode=deployments is started
+with `prefect deployment run`: rollout on inf, logprob and update each one DeepSpeed job over
+trn1+trn2 (trainer.launcher=deepspeed, a hostfile, gloo). The script prints the placement every
+manifest records (the stage's host, each rank's host) and checks the final weights against a
+single-host run of the same config on ctl (2 ranks in its rank pool): bit-identical (with 2
+ranks an all-reduce is one addition, a + b == b + a exactly, whatever the order of the hosts).
+Exit code 0 when everything holds; without root or the tools it prints SKIPPED and why."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+
+from hosts import Cluster  # noqa: E402
+from stack import (BUCKET, REPO, TRAINING, check_ssh, deploy, host_env, prefect, setup_ssh,  # noqa: E402
+                   start_ctl, start_sshd, start_worker, wait_workers, write_deepspeed_env)
+
+HOSTS = ["ctl", "inf", "trn1", "trn2"]
+ROOT = f"s3://{BUCKET}/cluster-test"
+TOOLS = {"ip": "iproute2", "unshare": "util-linux", "nsenter": "util-linux", "/usr/sbin/sshd": "openssh-server",
+         "ssh": "openssh-client", "ssh-keygen": "openssh-client", "pdsh": "pdsh"}
+T0 = time.time()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def missing_tools() -> list[str]:
+    return sorted({pkg for tool, pkg in TOOLS.items() if not (os.path.exists(tool) or shutil.which(tool))})
+
+
+def ensure_tools() -> str | None:
+    """Install what is missing (apt-get, as root); returns why the test cannot run, or None."""
+    if os.geteuid() != 0:
+        return "network-namespace hosts need root (run as root, as CI does)"
+    missing = missing_tools()
+    if missing and shutil.which("apt-get"):
+        say(f"installing {' '.join(missing)}")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], env=env, capture_output=True)
+        missing = missing_tools()
+    if missing:
+        return f"missing packages {' '.join(missing)} and they could not be installed"
+    return None
+
+
+def write_image(cluster) -> Path:
+    """What every host may read, like a machine image: the tiny model, the data, the hostfile."""
+    from stages.data_tools import write_arith_dataset
+    from stages.tiny_model import save_tiny_model
+
+    image = cluster.base / "image"
+    save_tiny_model(image / "model")
+    write_arith_dataset(image / "train.parquet", n=40)
+    write_arith_dataset(image / "test.parquet", n=8, split="test")
+    (image / "hostfile").write_text("".join(f"{name} slots=1\n" for name in TRAINING))
+    return image
+
+
+def overrides(image: Path, steps: int = 2) -> list[str]:
+    """A small GRPO run with the KL loss (so logprob runs a reference pass on the ranks)."""
+    return ["warmstart.enable=false", "actor_rollout_ref.rollout.name=hf", "trainer.val_before_train=false",
+            "trainer.test_freq=-1", f"data.train_files={image}/train.parquet", f"data.val_files={image}/test.parquet",
+            f"actor_rollout_ref.model.path={image}/model", f"storage.root={ROOT}",
+            "data.train_batch_size=4", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.hf_generate_batch_size=8", f"trainer.total_training_steps={steps}",
+            "reward.num_workers=1", "orchestration.retry_delay_s=0.5"]
+
+
+def cluster_overrides(image: Path) -> list[str]:
+    return ["orchestration.mode=deployments", "trainer.launcher=deepspeed", f"trainer.hostfile={image}/hostfile",
+            "trainer.nnodes=2", "trainer.n_gpus_per_node=1"]
+
+
+def report(cluster, *experiments) -> dict:
+    out = cluster["ctl"].run(["python", HERE / "report.py", ROOT, *experiments], env=host_env(cluster), cwd=REPO)
+    return json.loads(out.stdout)
+
+
+def placement_table(doc: dict) -> str:
+    lines = [f"{'step':>4}  {'stage':<9}  {'host':<5}  ranks"]
+    for step, stages in doc["steps"].items():
+        for stage, m in stages.items():
+            ranks = ",".join(m["rank_hosts"]) if m and m.get("rank_hosts") else "-"
+            lines.append(f"{step:>4}  {stage:<9}  {(m or {}).get('host') or 'MISSING':<5}  {ranks}")
+    return "\n".join(lines)
+
+
+def check_placement(doc: dict) -> list[str]:
+    problems = []
+    for step, stages in doc["steps"].items():
+        for stage, m in stages.items():
+            if m is None:
+                problems.append(f"step {step} {stage}: no manifest")
+                continue
+            want = {"rollout": {"inf"}, "logprob": set(TRAINING), "update": set(TRAINING)}.get(stage, {"ctl"})
+            if m["host"] not in want:
+                problems.append(f"step {step} {stage} ran on {m['host']}, expected one of {sorted(want)}")
+            if stage in ("logprob", "update") and sorted(m.get("rank_hosts") or []) != sorted(TRAINING):
+                problems.append(f"step {step} {stage}: ranks on {m.get('rank_hosts')}, expected {list(TRAINING)}")
+    return problems
+
+
+def run_deployment(cluster, image: Path, experiment: str, timeout: float = 600):
+    params = json.dumps({"overrides": overrides(image) + cluster_overrides(image), "experiment_name": experiment})
+    return prefect(cluster, "deployment", "run", "rl-train/tiny-cpu", "--params", params, "--watch",
+                   "--watch-interval", "2", "--watch-timeout", str(int(timeout)), timeout=timeout + 60, check=False)
+
+
+def bring_up(cluster) -> Path:
+    say(f"hosts up: {', '.join(f'{h.name}={h.addr}' for h in cluster.hosts.values())} (folder {cluster.base})")
+    image = write_image(cluster)
+    setup_ssh(cluster)
+    for name in TRAINING:
+        write_deepspeed_env(cluster, name)
+        start_sshd(cluster, name)
+    start_ctl(cluster)
+    say("ctl: S3 endpoint and Prefect server answer")
+    deploy(cluster)
+    for name in HOSTS:
+        start_worker(cluster, name)
+    check_ssh(cluster)
+    wait_workers(cluster, HOSTS)
+    say("deployments created, a worker online on every host, pdsh over ssh trn1 -> trn1,trn2 works")
+    return image
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.parse_args(argv)
+    reason = ensure_tools()
+    if reason:
+        print(f"cluster-test SKIPPED: {reason}", flush=True)
+        return 0
+    failures: list[str] = []
+    with Cluster(HOSTS) as cluster:
+        try:
+            image = bring_up(cluster)
+            say("single-host reference on ctl: stagerl train, 2 ranks in its rank pool")
+            ref = cluster["ctl"].run([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu",
+                                      "--experiment", "reference", *overrides(image), "trainer.n_gpus_per_node=2"],
+                                     env=host_env(cluster), cwd=REPO, timeout=600, check=False)
+            if ref.returncode != 0:
+                raise RuntimeError(f"reference run failed:\n{ref.stdout[-4000:]}\n{ref.stderr[-2000:]}")
+            say("cluster run: prefect deployment run 'rl-train/tiny-cpu' --watch")
+            run = run_deployment(cluster, image, "cluster")
+            if run.returncode != 0:
+                raise RuntimeError(f"cluster run failed:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
+            doc = report(cluster, "reference", "cluster")
+            say("placement the cluster run's manifests record:\n" + placement_table(doc["cluster"]))
+            failures += check_placement(doc["cluster"])
+            ref_w, got_w = doc["reference"]["weights"], doc["cluster"]["weights"]
+            same = ref_w.get("2") is not None and ref_w.get("2") == got_w.get("2")
+            say(f"final weights (step 2) sha256: single host {ref_w.get('2')}  cluster {got_w.get('2')}  "
+                f"{'bit-identical' if same else 'DIFFERENT'}")
+            if not same:
+                failures.append("final weights differ from the single-host run's")
+        except Exception as exc:  # noqa: BLE001 - reported with the hosts' logs
+            failures.append(f"{type(exc).__name__}: {exc}")
+            dump_logs(cluster)
+    for f in failures:
+        print(f"FAILED: {f}", flush=True)
+    print(f"cluster-test: {'passed' if not failures else 'failed'} in {time.time() - T0:.0f} s", flush=True)
+    return 1 if failures else 0
+
+
+def dump_logs(cluster, tail: int = 3000) -> None:
+    for log in sorted((cluster.base / "logs").glob("*.log")):
+        text = log.read_text(errors="replace")
+        if text.strip():
+            print(f"----- {log.name} (last {tail} chars) -----\n{text[-tail:]}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
