@@ -52,12 +52,14 @@ def run_inspect(args) -> int:
 
     view = open_view(args)
     if args.step is None:
-        rows = [overview_row(view, s) for s in view.steps()]
+        warm = 0 in view.steps()  # step 0 holds the warm start only (warmstart.enable), not an RL step
+        rows = [overview_row(view, s) for s in view.steps() if s > 0]
         if args.json:
             print(json.dumps({"run": view.name, "url": view.url, "steps": rows}, indent=2))
             return 0
         print(f"run {view.name} at {view.url}: {len(rows)} step(s), "
-              f"{sum(r['status'] == 'complete' for r in rows)} complete")
+              f"{sum(r['status'] == 'complete' for r in rows)} complete"
+              + (" (after a warm start: step 0)" if warm else ""))
         cols = ("step", "status", "rows", "score/mean", "acc/mean", "response_length/mean",
                 "entropy", "kl", "pg_loss")
         if any(r.get("engine_kl") is not None for r in rows):  # rollout engine vs trainer log-probs
