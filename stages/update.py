@@ -38,7 +38,7 @@ STAGE = "update"
 INPUTS = ("rollout", "logprob", "advantage")
 CONFIG_KEYS = ("actor_rollout_ref.actor", "actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_rank",
                "actor_rollout_ref.model.lora_alpha", "actor_rollout_ref.model.target_modules",
-               "actor_rollout_ref.rollout.temperature",
+               "actor_rollout_ref.rollout.temperature", "algorithm.rollout_correction",
                "critic", "data.max_response_length", "trainer.balance_batch", "trainer.critic_warmup",
                "trainer.total_training_steps", "trainer.n_gpus_per_node", "trainer.nnodes")
 KEEP_STATES = 2  # train_state/step_k and step_{k-1} (a rerun of step k needs the latter)

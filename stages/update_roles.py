@@ -63,6 +63,10 @@ class ActorRole(Role):
     name, prefix, model_key, offload_key = "actor", ACTOR, "actor_rollout_ref.model", f"{ACTOR}.fsdp_config"
     exports_tokenizer = True
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.correction = ctx.get("algorithm.rollout_correction") or {}  # engine–trainer TIS
+
     def load_model(self, ctx, init_path, dtype, device):
         from stages.lora import add_adapters, lora_rank
         from stages.models import load_policy
@@ -80,6 +84,8 @@ class ActorRole(Role):
             cols["old_log_probs"] = "logprob"
         if self.cfg.get("use_kl_loss"):  # no KL loss: no reference model (as verl)
             cols["ref_log_probs"] = "logprob"
+        if self.correction.get("rollout_is"):
+            cols["rollout_log_probs"] = "rollout"
         return cols
 
     def loss(self, ctx, job, part, batch, agg):
@@ -98,11 +104,20 @@ class ActorRole(Role):
         # the loss reads its own keys from the actor section (clip ranges, tau_*, policy_loss.*);
         # its metrics (pg_clipfrac, ppo_kl, pg_clipfrac_lower where the mode has them) are token
         # means over this micro-batch: summed here weighted by its tokens
-        pg_loss, pg_metrics = policy_loss(old, log_prob, adv, mask, loss_agg_mode=mode, config=cfg, **agg)
+        weights = None
+        if self.correction.get("rollout_is"):  # stages.rollout_correction: π_old / π_rollout, truncated
+            from stages.rollout_correction import rollout_is_weights
+
+            weights = rollout_is_weights(old, job.per_token(part, "rollout_log_probs", R), mask,
+                                         self.correction["rollout_is"], self.correction["rollout_is_threshold"])
+        pg_loss, pg_metrics = policy_loss(old, log_prob, adv, mask, loss_agg_mode=mode, config=cfg,
+                                          rollout_is_weights=weights, **agg)
         loss = pg_loss
         stats = {"pg_loss": pg_loss.item() / agg["dp_size"],
                  **{name: float(value) * tokens for name, value in pg_metrics.items()},
                  "entropy": float((entropy.detach() * mask).sum())}
+        if weights is not None:  # the weights' token mean (1 when engine and trainer agree)
+            stats["rollout_is_weight"] = float((weights * mask).sum())
         if cfg.get("entropy_coeff", 0.0):
             loss = loss - cfg["entropy_coeff"] * agg_loss(entropy, mask, mode, **agg)
         if cfg.get("use_kl_loss"):

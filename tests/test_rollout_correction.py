@@ -111,3 +111,27 @@ def test_update_records_engine_mismatch_against_either_source_of_old_log_probs(t
             old = read_file(ctx.store, ctx.layout, 1, "update", "update/log_probs.parquet").column("old_log_probs").to_pylist()
             diffs = [e - o for er, orow in zip(engine, old) for e, o in zip(er, orow)]
             assert metrics["rollout_corr/kl"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
+
+
+def test_update_applies_truncated_importance_weights(tmp_path):
+    """Engine log-probs = old + ln 2, so every token's weight π_old/π_rollout is exactly 0.5: the
+    first epoch's policy loss (same parameters) is half the uncorrected one, and the recorded mean
+    weight is 0.5. (ppo_epochs=2: old log-probs come from the logprob table, as written.)"""
+    from _update_inputs import make_ctx, write_inputs
+    from stages import update
+    from stages.tiny_model import save_tiny_model
+    from storage.artifacts import read_file
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    base = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.ppo_epochs=2",
+            "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.actor.optim.lr=0"]
+    runs = {}
+    for name, extra in (("off", []), ("token", ["algorithm.rollout_correction.rollout_is=token"])):
+        ctx = make_ctx(tmp_path / name, model_dir, 1, base + extra)
+        write_inputs(ctx, engine_shift=math.log(2.0))
+        update.run(ctx)
+        runs[name] = read_file(ctx.store, ctx.layout, 1, "update", "update/metrics.json")
+    assert runs["token"]["actor/rollout_is_weight"] == pytest.approx(0.5, abs=1e-6)
+    assert "actor/rollout_is_weight" not in runs["off"]
+    # lr 0: both epochs see the initial parameters, so the loss halves exactly (up to float rounding)
+    assert runs["token"]["actor/pg_loss"] == pytest.approx(0.5 * runs["off"]["actor/pg_loss"], rel=1e-5)
