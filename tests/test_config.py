@@ -185,3 +185,25 @@ def test_malformed_or_binary_config_files_are_refused_in_one_line(tmp_path, caps
     assert main(["plan", "--config", str(broken)]) == 2
     err = capsys.readouterr().err
     assert "broken.yaml" in err and "Traceback" not in err
+
+
+def test_registry_backed_keys_accept_what_is_registered():
+    """Validation of an extension point's key comes from its registry (configs/registries.py): a
+    newly registered estimator is accepted without touching configs/, an unknown name is refused
+    with the registered names."""
+    from configs.registries import REGISTRY_KEYS, registered_names
+    from stages.advantages import ADV_ESTIMATORS, register_adv_estimator
+
+    @register_adv_estimator("my_constant_baseline")
+    def my_estimator(token_level_rewards, response_mask, index):
+        return token_level_rewards - 1.0, token_level_rewards - 1.0
+
+    try:
+        assert load_config("tiny-cpu", ["algorithm.adv_estimator=my_constant_baseline"])["algorithm"][
+            "adv_estimator"] == "my_constant_baseline"
+    finally:
+        del ADV_ESTIMATORS["my_constant_baseline"]
+    with pytest.raises(ConfigError, match=r"'my_constant_baseline' is not one of \[.*'grpo'.*\] \(the registered names\)"):
+        load_config("tiny-cpu", ["algorithm.adv_estimator=my_constant_baseline"])
+    for key in REGISTRY_KEYS:  # every declared registry can be read
+        assert len(registered_names(key)) >= 2, key
