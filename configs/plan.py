@@ -55,13 +55,17 @@ def uses_critic(cfg: dict) -> bool:
 def adv_estimator_needs(cfg: dict) -> frozenset:
     """The needs algorithm.adv_estimator declared at registration (an unknown name: ConfigError
     listing the registered ones)."""
+    return _adv_estimator(cfg).needs
+
+
+def _adv_estimator(cfg: dict):
     from stages.advantages import ADV_ESTIMATORS  # a pure registry module (tests/test_architecture.py)
 
     name = get_path(cfg, "algorithm.adv_estimator")
     if name not in ADV_ESTIMATORS:
         raise ConfigError(f"algorithm.adv_estimator={name!r} is not a registered estimator; registered: "
                           f"{', '.join(sorted(ADV_ESTIMATORS))}")
-    return ADV_ESTIMATORS[name].needs
+    return ADV_ESTIMATORS[name]
 
 
 def uses_ref(cfg: dict) -> bool:
@@ -73,10 +77,19 @@ def needs_old_log_prob_pass(cfg: dict, actor: dict) -> bool:
     """A separate old-log-prob forward (the logprob stage's actor pass) is needed unless it is
     provably the update's own first forward: one mini-batch and one epoch (verl's on-policy
     shortcut: the update uses its forward, detached, as old log-probs), no KL in reward (the
-    advantage stage reads old log-probs) and no critic warm-up (the actor then skips steps). The
-    update then stores those values itself (update/log_probs.parquet), so inspect still has them."""
+    advantage stage reads old log-probs), no estimator that declares it needs them, no Σπ² to
+    compute (the actor's pass computes it) and no critic warm-up (the actor then skips steps).
+    The update then stores those values itself (update/log_probs.parquet), so inspect still has
+    them."""
     return not (actor["on_policy"] and not get_path(cfg, "algorithm.use_kl_in_reward")
+                and "old_log_probs" not in adv_estimator_needs(cfg) and not computes_sum_pi_squared(cfg)
                 and not (get_path(cfg, "trainer.critic_warmup") or 0))
+
+
+def computes_sum_pi_squared(cfg: dict) -> bool:
+    """The logprob stage's actor pass also stores Σπ² per token: the estimator needs it
+    (optimal_token_baseline) or actor.calculate_sum_pi_squared asks for it."""
+    return "sum_pi_squared" in adv_estimator_needs(cfg) or bool(get_path(cfg, f"{ACTOR}.calculate_sum_pi_squared"))
 
 
 def _one_micro(cfg, role: str, deprecated: str, per_gpu: str) -> None:
@@ -262,6 +275,11 @@ def compute_plan(cfg: dict) -> dict:
         raise PlanError(f"{TBS} ({tbs}) and {N} ({n}) must be positive", (TBS, N))
     seq_len = get_path(cfg, "data.max_prompt_length") + get_path(cfg, "data.max_response_length")
     rows = tbs * n
+    min_group = _adv_estimator(cfg).min_group  # declared at registration (grpo_passk: 2)
+    if n < min_group:
+        raise PlanError(f"algorithm.adv_estimator={get_path(cfg, 'algorithm.adv_estimator')} needs at least "
+                        f"{min_group} answers per prompt ({N} is {n}); verl fails at the first step",
+                        (N, "algorithm.adv_estimator"))
     warnings: list[str] = []
     sp = _check_sp(cfg, "actor/ref policy", f"{ACTOR}.ulysses_sequence_parallel_size",
                    "actor_rollout_ref.model.use_remove_padding", world)
@@ -280,6 +298,8 @@ def compute_plan(cfg: dict) -> dict:
     rollout.update(_log_prob_role(cfg, "actor_rollout_ref.rollout", ROLLOUT, dp, sp, rows_per_rank, seq_len,
                                   check_micro=not actor_dynamic))
     rollout["old_log_prob_pass"] = needs_old_log_prob_pass(cfg, actor)
+    if computes_sum_pi_squared(cfg):  # the key only when on: the plan is in every stage's fingerprint
+        rollout["sum_pi_squared"] = True
     ref = None
     if uses_ref(cfg):
         ref = _log_prob_role(cfg, "actor_rollout_ref.ref", REF, dp, sp, rows_per_rank, seq_len,

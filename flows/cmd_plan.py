@@ -131,8 +131,14 @@ def render_plan(plan: dict, cfg) -> str:
                   f"= world {world} ÷ (TP {r['tensor_model_parallel_size']} × rollout dp {r['data_parallel_size']})"),
             _line("prompts per replica", r["prompts_per_replica"], f"= ceil({tbs} ÷ {r['num_replicas']})"),
             _line("rows per replica", r["rows_per_replica"], f"= {r['prompts_per_replica']} × n {n}")]
+    from configs.plan import adv_estimator_needs
+
+    if "baseline" in adv_estimator_needs(cfg):  # remax: verl's greedy baseline generation
+        out.append(_line("greedy baseline answers", tbs, f"= {tbs} prompts × 1 (algorithm.adv_estimator="
+                         f"{cfg['algorithm']['adv_estimator']} needs a baseline; rollout/baseline.parquet, not training rows)"))
     if r.get("old_log_prob_pass", True):
-        out += _log_prob_lines("old log-prob (rollout.log_prob_*)", r, a["samples_per_dp_rank"])
+        out += _log_prob_lines("old log-prob (rollout.log_prob_*)"
+                               + (" + Σπ² per token" if r.get("sum_pi_squared") else ""), r, a["samples_per_dp_rank"])
     else:
         out.append("Old log-prob: no separate pass (one mini-batch, one epoch, no KL in reward: the "
                    "update's own forward gives them, as in verl)")

@@ -4,98 +4,35 @@ Calling convention is verl's (`verl/trainer/ppo/core_algos.py`): padded
 (bs, T) tensors, `response_mask` 1 on valid response tokens, `index` = the uid of each row (rows of
 one prompt share it). Every estimator returns `(advantages, returns)`, both (bs, T) and zero on
 padding. Outcome estimators use s_i = sum_t token_level_rewards[i, t].
+
+This module is the complete registry: verl's first estimators are here, its others in
+stages.advantages_more, both registering into stages.adv_registry; importing this module imports
+both, and the lookups below (get_adv_estimator, estimator_needs, compute_advantage) read it.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
+from stages.adv_registry import (ADV_ESTIMATORS, NEEDS, float_mask, group_rows, masked_mean, masked_var,
+                                 masked_whiten, register_adv_estimator)
+from stages.advantages_more import (compute_gpg_advantage, compute_grpo_passk_advantage,
+                                    compute_grpo_vectorized_advantage, compute_opo_advantage,
+                                    compute_optimal_token_baseline_advantage, compute_remax_advantage,
+                                    compute_rloo_vectorized_advantage)
+
 __all__ = [
-    "ADV_ESTIMATORS", "register_adv_estimator", "estimator_needs", "get_adv_estimator", "compute_advantage", "masked_mean", "masked_var",
-    "masked_whiten", "compute_grpo_advantage", "compute_rloo_advantage",
-    "compute_reinforce_plus_plus_advantage", "compute_reinforce_plus_plus_baseline_advantage",
-    "compute_gae_advantage",
+    "ADV_ESTIMATORS", "NEEDS", "register_adv_estimator", "estimator_needs", "get_adv_estimator",
+    "compute_advantage", "masked_mean", "masked_var", "masked_whiten", "compute_grpo_advantage",
+    "compute_rloo_advantage", "compute_reinforce_plus_plus_advantage",
+    "compute_reinforce_plus_plus_baseline_advantage", "compute_gae_advantage",
+    # stages.advantages_more
+    "compute_opo_advantage", "compute_grpo_passk_advantage", "compute_gpg_advantage",
+    "compute_rloo_vectorized_advantage", "compute_grpo_vectorized_advantage", "compute_remax_advantage",
+    "compute_optimal_token_baseline_advantage",
 ]
-
-
-# --------------------------------------------------------------------------- masked statistics
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """sum(values * mask) / (sum(mask) + 1e-8), over `dim` or everything (verl's masked_mean)."""
-    if dim is None:
-        return (values * mask).sum() / (mask.sum() + 1e-8)
-    return (values * mask).sum(dim) / (mask.sum(dim) + 1e-8)
-
-
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """masked_mean((x - masked_mean(x))^2) * n/(n-1) with n = sum(mask) (Bessel; verl's masked_var)."""
-    centered = values - masked_mean(values, mask)
-    variance = masked_mean(centered**2, mask)
-    if unbiased:
-        n = mask.sum()
-        if n == 0:
-            raise ValueError("masked_var: the mask selects no element; at least one must be 1 "
-                             "(a batch with no valid response token)")
-        if n == 1:
-            raise ValueError("masked_var: the mask selects exactly one element, so the unbiased "
-                             "variance n/(n-1) divides by zero (whitening needs >= 2 valid tokens)")
-        variance = variance * (n / (n - 1))
-    return variance
-
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - masked_mean(x)) / sqrt(masked_var(x) + 1e-8) over all valid entries (verl's masked_whiten)."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    return whitened if shift_mean else whitened + mean
-
-
-# --------------------------------------------------------------------------- helpers
-def _float_mask(response_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if response_mask.shape != like.shape:
-        raise ValueError(f"response_mask shape {tuple(response_mask.shape)} != rewards shape "
-                         f"{tuple(like.shape)}")
-    return response_mask.to(like.dtype)
-
-
-def _groups(index: Sequence, bs: int) -> dict:
-    """uid -> list of row numbers, in first-seen order."""
-    if index is None:
-        raise ValueError("this estimator needs `index` (the uid of each row) to form groups")
-    if len(index) != bs:
-        raise ValueError(f"index has {len(index)} entries but the batch has {bs} rows")
-    groups: dict = {}
-    for row, uid in enumerate(index):
-        groups.setdefault(uid.item() if hasattr(uid, "item") else uid, []).append(row)
-    return groups
-
-
-# --------------------------------------------------------------------------- the registry
-ADV_ESTIMATORS: dict[str, Callable] = {}
-NEEDS = ("values", "baseline")  # critic values (bs, T); a greedy baseline rollout's score per row
-
-
-def register_adv_estimator(name: str, needs: tuple[str, ...] = ()) -> Callable:
-    """Register `fn` as algorithm.adv_estimator=name. `needs` declares its inputs beyond rewards,
-    mask and index: "values" (the critic runs: the plan adds it, the logprob stage computes values)
-    or "baseline" (the rollout stage adds one greedy answer per prompt, the reward stage scores it).
-    The plan and the stages read the declaration (estimator_needs); nothing tests the name."""
-    unknown = set(needs) - set(NEEDS)
-    if unknown:
-        raise ValueError(f"estimator {name!r}: unknown needs {sorted(unknown)}; known: {', '.join(NEEDS)}")
-
-    def register(fn: Callable) -> Callable:
-        fn.needs = frozenset(needs)
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return register
-
-
-def estimator_needs(name: str) -> frozenset:
-    """What estimator `name` declared it needs (a subset of NEEDS)."""
-    return get_adv_estimator(name).needs
 
 
 # --------------------------------------------------------------------------- estimators
@@ -103,11 +40,11 @@ def estimator_needs(name: str) -> frozenset:
 def compute_grpo_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
                            norm_adv_by_std_in_grpo: bool = True):
     """A_i = (s_i - mean_g)/(std_g + eps), std unbiased; group of 1: mean 0, std 1; Dr.GRPO: s_i - mean_g."""
-    mask = _float_mask(response_mask, token_level_rewards)
+    mask = float_mask(response_mask, token_level_rewards)
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         adv = torch.empty_like(scores)
-        for rows in _groups(index, scores.shape[0]).values():
+        for rows in group_rows(index, scores.shape[0]).values():
             group = scores[rows]
             if len(rows) == 1:
                 mean, std = torch.tensor(0.0), torch.tensor(1.0)
@@ -121,11 +58,11 @@ def compute_grpo_advantage(token_level_rewards, response_mask, index, epsilon: f
 @register_adv_estimator("rloo")
 def compute_rloo_advantage(token_level_rewards, response_mask, index):
     """A_i = s_i*K/(K-1) - mean_g*K/(K-1) (= s_i - mean of the other K-1 rows); K = 1: A_i = s_i."""
-    mask = _float_mask(response_mask, token_level_rewards)
+    mask = float_mask(response_mask, token_level_rewards)
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         adv = scores.clone()
-        for rows in _groups(index, scores.shape[0]).values():
+        for rows in group_rows(index, scores.shape[0]).values():
             k = len(rows)
             if k > 1:
                 adv[rows] = scores[rows] * k / (k - 1) - scores[rows].mean() * k / (k - 1)
@@ -136,7 +73,7 @@ def compute_rloo_advantage(token_level_rewards, response_mask, index):
 @register_adv_estimator("reinforce_plus_plus")
 def compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma: float = 1.0):
     """G_t = r_t + gamma*G_{t+1} (running return reset by mask); A = masked_whiten(G) * mask; returns = G."""
-    mask = _float_mask(response_mask, token_level_rewards)
+    mask = float_mask(response_mask, token_level_rewards)
     with torch.no_grad():
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros_like(token_level_rewards[:, 0])
@@ -151,11 +88,11 @@ def compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, ga
 @register_adv_estimator("reinforce_plus_plus_baseline")
 def compute_reinforce_plus_plus_baseline_advantage(token_level_rewards, response_mask, index):
     """A = masked_whiten((s_i - mean_g) broadcast * mask) * mask; group of 1: mean 0; returns = A."""
-    mask = _float_mask(response_mask, token_level_rewards)
+    mask = float_mask(response_mask, token_level_rewards)
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         centered = scores.clone()
-        for rows in _groups(index, scores.shape[0]).values():
+        for rows in group_rows(index, scores.shape[0]).values():
             if len(rows) > 1:
                 centered[rows] = scores[rows] - scores[rows].mean()
         adv = centered.unsqueeze(-1).expand_as(mask) * mask
@@ -167,7 +104,7 @@ def compute_reinforce_plus_plus_baseline_advantage(token_level_rewards, response
 def compute_gae_advantage(token_level_rewards, response_mask, values, gamma: float = 1.0,
                           lam: float = 1.0):
     """delta_t = r_t + gamma*V_{t+1} - V_t, A_t = delta_t + gamma*lam*A_{t+1}; returns = A + V; A whitened."""
-    mask = _float_mask(response_mask, token_level_rewards)
+    mask = float_mask(response_mask, token_level_rewards)
     if values is None or values.shape != token_level_rewards.shape:
         raise ValueError("gae needs `values` (the critic's, shape (bs, T) like the rewards)")
     with torch.no_grad():
@@ -185,6 +122,11 @@ def compute_gae_advantage(token_level_rewards, response_mask, values, gamma: flo
         returns = adv + values
         adv = masked_whiten(adv, mask)
     return adv * mask, returns * mask
+
+
+def estimator_needs(name: str) -> frozenset:
+    """What estimator `name` declared it needs (a subset of NEEDS)."""
+    return get_adv_estimator(name).needs
 
 
 def get_adv_estimator(name: str) -> Callable:

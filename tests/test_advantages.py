@@ -149,8 +149,10 @@ def test_unknown_estimator_lists_registered_names():
         get_adv_estimator("ppo2")
     for name in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         assert name in str(err.value)
-    assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus",
-                                   "reinforce_plus_plus_baseline"}
+    assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                   # verl's others (stages/advantages_more.py, tests/test_advantages_verl.py)
+                                   "remax", "opo", "grpo_passk", "gpg", "rloo_vectorized", "grpo_vectorized",
+                                   "optimal_token_baseline"}
 
 
 # ------------------------------------------------------------------ KL estimators

@@ -10,8 +10,10 @@ PACKAGES = ("flows", "stages", "storage", "configs")
 ALLOWED = {"flows": {"stages", "storage", "configs"}, "stages": {"storage", "configs"},
            "configs": {"storage"}, "storage": set()}
 # the algorithm registries: configs reads what an estimator declared it needs (the plan adds the
-# critic for it). They are leaves: torch only, no other project module.
-PURE_REGISTRIES = {"stages.advantages"}
+# critic for it). They are leaves: torch only, no other project module. stages.advantages is the
+# complete registry: the registry itself (stages.adv_registry) and verl's further estimators
+# (stages.advantages_more, registering into stages.adv_registry) come with it.
+PURE_REGISTRIES = {"stages.advantages", "stages.adv_registry", "stages.advantages_more"}
 
 
 def project_imports() -> dict[str, set[str]]:

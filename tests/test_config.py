@@ -69,7 +69,7 @@ def test_ints_become_floats_and_single_logger_becomes_list():
     (["data.train_batch_size=many"], "data.train_batch_size: expected int, got str 'many'"),
     (["data.train_batch_size=null"], "data.train_batch_size: null is not allowed"),
     (["actor_rollout_ref.actor.use_kl_loss=3"], "expected bool"),
-    (["algorithm.adv_estimator=grpo_passk"], "'grpo_passk' is not one of"),
+    (["algorithm.adv_estimator=ppo2"], "'ppo2' is not one of"),
     (["actor_rollout_ref.actor.loss_agg_mode=token-sum"], "'token-sum' is not one of"),
     (["actor_rollout_ref.rollout.ignore_eos=true"], "ignore_eos=True: stagerl does not implement"),
     (["actor_rollout_ref.model.lora_rank=-1"], "lora_rank=-1: must be >= 0"),
