@@ -100,6 +100,10 @@ def print_stage(name: str, sec: dict) -> None:
         print(f"    finish_reason:   {_kv(sec['finish_reason'])}")
         if "filter_groups" in sec:  # the rows are in `stagerl query ... FROM candidates`
             print(f"    filter_groups:   {_kv(sec['filter_groups'])}")
+        if "baseline" in sec:  # greedy baseline answers, one per prompt (remax): not training rows
+            b = sec["baseline"]
+            print(f"    baseline:        {b['prompts']} greedy answers (rollout/baseline.parquet)  "
+                  f"response_length: {_kv(b['response_length'])}  finish_reason: {_kv(b['finish_reason'])}")
     elif name == "logprob":
         print(f"    {_kv(sec['metrics'])}")
         for role, per_rank in (sec["loads"].get("loads") or {}).items():
@@ -110,6 +114,8 @@ def print_stage(name: str, sec: dict) -> None:
     elif name == "reward":
         print(f"    score: {_kv(sec['score'])}  acc={_fmt(sec['acc_mean'])}"
               + (f"  errors={sec['errors']}" if "errors" in sec else ""))
+        if "baseline_score" in sec:
+            print(f"    baseline score: {_kv(sec['baseline_score'])}  (reward/baseline.parquet)")
     elif name == "advantage":
         print(f"    advantage/token_mean={_fmt(sec['advantage/token_mean'])}  "
               f"kl_in_reward/token_mean={_fmt(sec['kl_in_reward/token_mean'])}")
@@ -149,6 +155,10 @@ def run_show(args) -> int:
     print(f"ground_truth: {ro['ground_truth']}  data_source: {ro['data_source']}")
     if "reward" in out:
         print(f"reward: {_kv({k: v for k, v in out['reward'].items() if v is not None})}")
+    if "baseline" in out:
+        b = out["baseline"]
+        print(f"baseline (greedy, {b['response_length']} tokens, {b['finish_reason']}"
+              + (f", score {_fmt(b['score'])}" if "score" in b else "") + f"): {b['response']}")
     for mb in out.get("update", []):
         print(f"update: {_kv(mb)}")
     if tokenizer is None and not args.ids:

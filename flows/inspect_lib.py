@@ -121,7 +121,28 @@ def rollout_metrics(view, step: int) -> dict:
     filtered = (view.manifest(step, "rollout").get("extra") or {}).get("filter_groups")
     if filtered:  # DAPO's dynamic sampling: what was generated, kept and filtered
         out["filter_groups"] = filtered
+    baseline = baseline_table(view, step, "rollout")
+    if baseline is not None:  # greedy baseline answers (remax), not training rows
+        reasons = {}
+        for r in baseline.column("finish_reason").to_pylist():
+            reasons[r] = reasons.get(r, 0) + 1
+        out["baseline"] = {"prompts": baseline.num_rows,
+                           "response_length": _stats(baseline.column("response_length").to_pylist()),
+                           "finish_reason": reasons}
     return out
+
+
+def baseline_table(view, step: int, stage: str):
+    """The step's greedy baseline answers (stage rollout: rollout/baseline.parquet) or their scores
+    (stage reward: reward/baseline.parquet), when the estimator needed them (remax); else None."""
+    from stages import baseline_answers
+    from storage.artifacts import read_file
+
+    name = baseline_answers.ANSWERS if stage == "rollout" else baseline_answers.SCORES
+    manifest = view.manifest(step, stage)
+    if manifest is None or name not in (manifest.get("files") or {}):
+        return None
+    return read_file(view.store, view.layout, step, stage, name)
 
 
 def logprob_metrics(view, step: int) -> dict:
@@ -146,6 +167,9 @@ def reward_metrics(view, step: int) -> dict:
            "acc_mean": _stats(t.column("acc").to_pylist())["mean"]}
     if "error" in t.schema.names:
         out["errors"] = sum(1 for e in t.column("error").to_pylist() if e)
+    baseline = baseline_table(view, step, "reward")
+    if baseline is not None:  # the greedy baseline answers' scores (remax subtracts them)
+        out["baseline_score"] = _stats(baseline.column("score").to_pylist())
     return out
 
 
@@ -314,6 +338,14 @@ def sample_view(view, step: int, uid: str, sample: int = 0, tokenizer=None) -> d
                     per_token[label] = rec[col]
     if status["reward"]:
         out["reward"] = view.table(step, "reward").slice(row, 1).to_pylist()[0]
+    answers = baseline_table(view, step, "rollout")
+    if answers is not None:  # the prompt's greedy baseline answer and its score (remax)
+        at = answers.column("uid").to_pylist().index(uid)
+        a = answers.slice(at, 1).to_pylist()[0]
+        out["baseline"] = {k: a[k] for k in ("response", "response_length", "finish_reason")}
+        scores = baseline_table(view, step, "reward") if status["reward"] else None
+        if scores is not None:
+            out["baseline"]["score"] = scores.column("score").to_pylist()[scores.column("uid").to_pylist().index(uid)]
     if status["update"]:
         out["update"] = [{k: v for k, v in mb.items() if k != "rows"}
                          for mb in view.table(step, "update").to_pylist() if row in mb["rows"]]

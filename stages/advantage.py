@@ -9,8 +9,11 @@
    k > 1 loads the state the previous step's advantage manifest stored in extra["kl_ctrl"]["after"]
    (never in-memory state), so a resumed run equals an uninterrupted one bit for bit.
    Otherwise token_level_rewards = token_level_scores and the kl column is zeros.
-3. The estimator algorithm.adv_estimator (stages.advantages registry) with index = uid, the
-   logprob stage's `values` for gae, gamma/lam, norm_adv_by_std_in_grpo.
+3. The estimator algorithm.adv_estimator (stages.advantages registry) with index = uid,
+   gamma/lam, norm_adv_by_std_in_grpo, and what the estimator declared it needs: the logprob
+   stage's `values` (gae), `old_log_probs` and `sum_pi_squared` (optimal_token_baseline), and
+   `reward_baselines` (remax: each row's prompt's greedy baseline score, reward/baseline.parquet;
+   stages.baseline_answers).
 
 advantage.parquet (rollout row order, unpadded per-token lists): token_level_rewards, advantages,
 returns, kl. The manifest's extra["metrics"] holds verl's data metrics (compute_data_metrics) and
@@ -46,7 +49,15 @@ def run(ctx) -> dict:
     needs = get_adv_estimator(estimator).needs  # unknown name: lists the registered ones, before any reading
     use_kl = bool(ctx.get("algorithm.use_kl_in_reward"))
     critic = uses_critic(ctx.cfg)
-    batch = load_batch(ctx, need_values="values" in needs or critic, need_ref=use_kl)
+    batch = load_batch(ctx, need_values="values" in needs or critic, need_ref=use_kl,
+                       need_policy=tuple(n for n in ("old_log_probs", "sum_pi_squared") if n in needs))
+    if "baseline" in needs:
+        from stages.baseline_answers import scores_per_row
+
+        try:
+            batch["reward_baselines"] = torch.tensor(scores_per_row(ctx, batch["uid"]), dtype=torch.float32)
+        except ValueError as err:
+            raise AdvantageInputError(str(err)) from None
     mask, scores = batch["response_mask"], batch["token_level_scores"]
 
     kl_state = {}
@@ -65,6 +76,8 @@ def run(ctx) -> dict:
 
     advantages, returns = compute_advantage(
         estimator, rewards, mask, index=batch["uid"], values=batch.get("values"),
+        reward_baselines=batch.get("reward_baselines"), old_log_probs=batch.get("old_log_probs"),
+        sum_pi_squared=batch.get("sum_pi_squared"),
         gamma=float(ctx.get("algorithm.gamma", 1.0)), lam=float(ctx.get("algorithm.lam", 1.0)),
         norm_adv_by_std_in_grpo=bool(ctx.get("algorithm.norm_adv_by_std_in_grpo", True)))
 
@@ -125,9 +138,11 @@ def kl_controller(ctx):
     return controller
 
 
-def load_batch(ctx, need_values: bool, need_ref: bool) -> dict:
+def load_batch(ctx, need_values: bool, need_ref: bool, need_policy: tuple = ()) -> dict:
     """Read and cross-check the step's artifacts; return padded (bs, T) tensors, T =
-    rollout.response_length, and the (bs, max_prompt_length + T) attention mask for metrics."""
+    rollout.response_length, and the (bs, max_prompt_length + T) attention mask for metrics.
+    need_policy: logprob columns of the actor's pass the estimator declared it needs
+    (old_log_probs, sum_pi_squared)."""
     rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
     logprob = read_table(ctx.store, ctx.layout, ctx.step, "logprob")
     reward = read_table(ctx.store, ctx.layout, ctx.step, "reward")
@@ -159,11 +174,12 @@ def load_batch(ctx, need_values: bool, need_ref: bool) -> dict:
     columns = ["old_log_probs", "ref_log_probs"] if need_ref else []
     if need_values:
         columns.append("values")
+    columns += [name for name in need_policy if name not in columns]
     for name in columns:
         if name not in logprob.schema.names or logprob.column(name).null_count:
-            why = (f"algorithm.adv_estimator={ctx.get('algorithm.adv_estimator')}, which declares it needs "
-                   "critic values, or critic.enable" if name == "values"
-                   else "algorithm.use_kl_in_reward")
+            estimator = f"algorithm.adv_estimator={ctx.get('algorithm.adv_estimator')}, which declares it needs"
+            why = (f"{estimator} critic values, or critic.enable" if name == "values"
+                   else f"{estimator} {name}" if name in need_policy else "algorithm.use_kl_in_reward")
             raise AdvantageInputError(f"logprob.parquet of step {ctx.step} has no {name!r} "
                                       f"(needed by {why})")
         batch[name] = pad(logprob.column(name).to_pylist(), lengths, width, name)

@@ -11,6 +11,12 @@ batches and its score is added to the rule score (column rm_score keeps it).
 reward.parquet, one row per rollout row in the same order: score, acc, extras (JSON of the reward
 function's other keys; scalar extras also get a column of their own), error, rm_score (RM only).
 The score is a scalar per row; the advantage stage places it at the last valid response token.
+
+When the rollout stored greedy baseline answers (rollout/baseline.parquet: estimators that need a
+"baseline", remax), they are scored the same way (rule scorers, DAPO's overlong penalty, the
+reward model: verl scores its ReMax baseline with the same reward function) into
+reward/baseline.parquet: uid, score, acc, extras, error; metrics reward/baseline/score/mean and
+reward/baseline/acc/mean.
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ import time
 import pyarrow as pa
 
 from stages.batching import restore_order
-from storage.artifacts import read_table, write_table
+from stages import baseline_answers
+from storage.artifacts import read_table, write_stage
 from storage.schemas import make_table
 
 STAGE = "reward"
@@ -41,8 +48,29 @@ class NonFiniteScoreError(ValueError):
 
 
 def run(ctx) -> dict:
-    t0 = time.perf_counter()
     rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    table, metrics, timings = score_rows(ctx, rollout)
+    if table.num_rows != rollout.num_rows:  # cannot happen unless score_batch drops rows
+        raise RuntimeError(f"reward table has {table.num_rows} rows, rollout has {rollout.num_rows}")
+    files = {"reward.parquet": table}
+    baseline = baseline_answers.read_answers(ctx)
+    if baseline is not None:
+        t1 = time.perf_counter()
+        scored, baseline_metrics, _ = score_rows(ctx, baseline, "baseline score")
+        files[baseline_answers.SCORES] = scored.append_column("uid", baseline.column("uid"))
+        metrics.update({"reward/baseline/score/mean": baseline_metrics["reward/score/mean"],
+                        "reward/baseline/acc/mean": baseline_metrics["reward/acc/mean"]})
+        timings["baseline_score_s"] = round(time.perf_counter() - t1, 4)
+    fingerprint = stage_fingerprint(ctx)
+    return write_stage(ctx.store, ctx.layout, ctx.step, STAGE, files, fingerprint=fingerprint,
+                       inputs=ctx.input_fingerprints(INPUTS), timings=timings,
+                       extra={"metrics": metrics})
+
+
+def score_rows(ctx, rollout: pa.Table, what: str = "score"):
+    """(reward table, metrics, timings) of rollout-schema rows: rule scores (+ overlong penalty),
+    plus the reward model's when reward_model.enable."""
+    t0 = time.perf_counter()
     results, scores, metrics, overlong = rule_rewards(ctx, rollout)
     timings = {"score_s": round(time.perf_counter() - t0, 4)}
     rm_scores = None
@@ -51,16 +79,10 @@ def run(ctx) -> dict:
         rm_scores = reward_model_scores(ctx, rollout)
         scores = [s + rm for s, rm in zip(scores, rm_scores)]
         timings["reward_model_s"] = round(time.perf_counter() - t1, 4)
-    check_finite(scores, "score")
-
+    check_finite(scores, what)
     table = reward_table(results, scores, rm_scores, overlong)
-    if table.num_rows != rollout.num_rows:  # cannot happen unless score_batch drops rows
-        raise RuntimeError(f"reward table has {table.num_rows} rows, rollout has {rollout.num_rows}")
     metrics.update(score_metrics(table))
-    fingerprint = stage_fingerprint(ctx)
-    return write_table(ctx.store, ctx.layout, ctx.step, STAGE, table, fingerprint=fingerprint,
-                       inputs=ctx.input_fingerprints(INPUTS), timings=timings,
-                       extra={"metrics": metrics})
+    return table, metrics, timings
 
 
 def rule_rewards(ctx, rollout: pa.Table):

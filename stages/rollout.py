@@ -16,13 +16,23 @@ seed gives bit-identical parquet bytes.
 
 Manifest extra: the data position after this batch (what a resumed run continues from), the
 engine, generation timings, tokens/s. `generate_validation(ctx)` samples the validation set with
-val_kwargs for the flows' validation runs."""
+val_kwargs for the flows' validation runs.
+
+Baseline answers: when algorithm.adv_estimator declares it needs "baseline" (remax; the
+estimator registry, stages.advantages), the stage also generates one greedy answer (do_sample
+false, n 1: verl's ReMax `gen_baseline_batch`) per prompt of the step's rows and stores them in
+rollout/baseline.parquet (the rollout schema, one row per uid, sample_index 0). They are not
+training rows: rollout.parquet keeps train_batch_size × n rows; the reward stage scores the
+baseline answers into reward/baseline.parquet and the advantage stage subtracts them."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
 
+from stages.baseline_answers import ANSWERS as BASELINE
+from stages.baseline_answers import needs_baseline
 from stages.engines import EngineOptions, Sampling, derive_seed
 
 STAGE = "rollout"
@@ -47,6 +57,8 @@ def stage_fingerprint(ctx) -> str:
         from stages.reward import stage_fingerprint as reward_fingerprint
 
         base = hash_obj({"base": base, "reward": reward_fingerprint(ctx)})  # the reward file's content
+    if needs_baseline(ctx):  # the stage also writes rollout/baseline.parquet
+        base = hash_obj({"base": base, "baseline": "greedy, one per prompt"})
     if ctx.step <= 1 and not ctx.get("warmstart.enable"):
         return base  # the initial model: its path is in CONFIG_KEYS
     step, stage = (ctx.step - 1, "update") if ctx.step > 1 else (0, "warmstart")
@@ -152,6 +164,37 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     return columns, {"engine": engine, **options.timings}
 
 
+def generate_baseline(ctx, columns: dict, sampling: Sampling, model_dir, tokenizer):
+    """verl's ReMax baseline (RayPPOTrainer.fit when adv_estimator is remax: the step's prompts
+    again with do_sample=False): one greedy answer per prompt of `columns` (the step's rollout
+    rows), keyed by the prompt's uid, in the rollout schema with sample_index 0. Returns (columns,
+    engine timings)."""
+    first: dict = {}
+    for row, uid in enumerate(columns["uid"]):
+        first.setdefault(uid, row)
+    rows = list(first.values())
+    prompt_ids = [list(columns["prompt_ids"][r]) for r in rows]
+    greedy = dataclasses.replace(sampling, do_sample=False, n=1, log_probs=False)
+    base = _base_seed(ctx, "baseline")  # greedy answers do not depend on it; the engines want seeds
+    options = _engine_options(ctx, model_dir)
+    options.step_seed, options.prompts_per_replica = base, None
+    engine = ctx.get(f"{ROLLOUT}.name", "hf")
+    engines = rollout_engines(ctx)
+    gens = engines.generate(engine, prompt_ids, [derive_seed(base, i) for i in range(len(rows))], greedy, options)
+    engines.sleep()
+    if any(g.text is None for g in gens):
+        responses = tokenizer().batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+    else:
+        responses = [g.text for g in gens]
+    out = {name: [columns[name][r] for r in rows]
+           for name in ("uid", "prompt", "prompt_ids", "data_source", "ground_truth", "extra_info")}
+    out.update({"sample_index": [0] * len(rows), "response": responses,
+                "response_ids": [g.response_ids for g in gens],
+                "response_length": [len(g.response_ids) for g in gens],
+                "finish_reason": [g.finish_reason for g in gens]})
+    return out, {"engine": engine, **options.timings}
+
+
 def _dataset(ctx, split: str, model_dir):
     """The split's prompts, tokenised once per run: rows are cached by the data files' and the
     tokenizer files' content (stages.dataset_cache), in memory and in the local cache dir."""
@@ -226,6 +269,16 @@ def run(ctx) -> dict:
                "engine_call_s": engine_timings.get("wall_s"), "engine_start_s": engine_timings.get("engine_start_s"),
                "load_weights_s": engine_timings.get("load_weights_s"),
                "table_s": round(time.perf_counter() - t_gen, 4)}
+    baseline = None
+    if needs_baseline(ctx):
+        t_base = time.perf_counter()
+        baseline_columns, baseline_timings = generate_baseline(ctx, columns, sampling, model_dir, tokenizer)
+        files[BASELINE] = make_table("rollout", baseline_columns)
+        baseline = {"prompts": files[BASELINE].num_rows, "response_tokens": sum(baseline_columns["response_length"]),
+                    "finish_stop": baseline_columns["finish_reason"].count("stop"),
+                    "generate_s": baseline_timings.get("generate_s"),
+                    "wall_s": round(time.perf_counter() - t_base, 4)}
+        timings["baseline_s"] = baseline["wall_s"]
     extra = {
         **positions,
         "engine": engine_timings["engine"],
@@ -236,6 +289,8 @@ def run(ctx) -> dict:
         "finish_stop": columns["finish_reason"].count("stop"),
         "model_dir": str(model_dir),
     }
+    if baseline is not None:  # rollout/baseline.parquet: greedy answers, not training rows
+        extra["baseline"] = baseline
     fingerprint = stage_fingerprint(ctx)
     if ctx.session is not None:  # a committed rollout k implies a committed update k-1
         t_wait = time.perf_counter()

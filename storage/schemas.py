@@ -99,8 +99,10 @@ SCHEMAS = {
         # stores them in update/log_probs.parquet); ref: only with KL; values: PPO
         required=[],
         optional=[("old_log_probs", TOK_F32), ("entropy", TOK_F32), ("ref_log_probs", TOK_F32),
-                  ("values", TOK_F32)],
-        per_token=("old_log_probs", "ref_log_probs", "entropy", "values"),
+                  ("values", TOK_F32),
+                  # Σ_v π_v² per response token (verl's sum_pi_squared; optimal_token_baseline)
+                  ("sum_pi_squared", TOK_F32)],
+        per_token=("old_log_probs", "ref_log_probs", "entropy", "values", "sum_pi_squared"),
         together=[("old_log_probs", "entropy")],
     ),
     # update/log_probs.parquet: the update's first forward (detached) when it replaced the
@@ -117,6 +119,13 @@ SCHEMAS = {
         required=[("gen_batch", I32), ("uid", pa.string()), ("sample_index", I32), ("data_source", pa.string()),
                   ("response_length", I32), ("metric", F32), ("group_std", F32), ("kept", pa.bool_()),
                   ("reason", pa.string())],
+    ),
+    # reward/baseline.parquet: the scores of rollout/baseline.parquet's greedy answers (estimators
+    # that need a baseline: remax), one row per prompt, keyed by uid; the reward columns otherwise.
+    "reward_baseline": StageSchema(
+        "reward_baseline",
+        required=[("uid", STR), ("score", F32), ("acc", F32)],
+        optional=[("error", STR)],
     ),
     "reward": StageSchema(
         "reward",
@@ -142,6 +151,8 @@ SCHEMAS = {
 FILE_SCHEMAS = {
     "rollout.parquet": "rollout",
     "rollout/candidates.parquet": "rollout_candidates",
+    "rollout/baseline.parquet": "rollout",  # greedy baseline answers, one per prompt (remax)
+    "reward/baseline.parquet": "reward_baseline",
     "logprob.parquet": "logprob",
     "reward.parquet": "reward",
     "advantage.parquet": "advantage",

@@ -193,6 +193,7 @@ def test_nan_score_is_refused_naming_the_rows(tmp_path):
 def test_unknown_estimator_lists_the_known_ones(tmp_path):
     ctx = make_ctx(tmp_path / "store", ["algorithm.adv_estimator=grpo"])
     ctx.cfg["algorithm"]["adv_estimator"] = "ppo_magic"
-    with pytest.raises(ValueError, match="'ppo_magic'.*gae, grpo, reinforce_plus_plus, "
-                                         "reinforce_plus_plus_baseline, rloo"):
+    with pytest.raises(ValueError, match="'ppo_magic'.*gae, gpg, grpo, grpo_passk, grpo_vectorized, opo, "
+                                         "optimal_token_baseline, reinforce_plus_plus, "
+                                         "reinforce_plus_plus_baseline, remax, rloo, rloo_vectorized"):
         adv_stage.run(ctx)
