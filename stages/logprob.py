@@ -14,7 +14,9 @@
      sequences packed into bins longest first (the count all-reduced MAX over ranks). Not verl's
      Karmarkar-Karp grouping of padded rows: on mixed lengths that padded 77 % and ran at 0.33x
      static; the bins pad 3.3 % and run at 1.60x static (bench/logprob.py).
-   - actor: ctx.actor_weights(), logits / rollout.temperature -> old_log_probs and entropy
+   - actor: ctx.actor_weights(), logits / rollout.temperature -> old_log_probs and entropy (and
+     sum_pi_squared, Σ_v π_v² per token, when the plan's rollout.sum_pi_squared is on:
+     optimal_token_baseline or actor.calculate_sum_pi_squared)
    - ref (plan["ref"] not None): ctx.reference_weights(), same temperature -> ref_log_probs
    - critic (plan["critic"] not None): critic.model.path at step 1, the store's
      weights/critic_step_{k-1} later -> values
@@ -140,6 +142,8 @@ BUDGET_KEYS = {"actor": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gp
 
 def _output_columns(plan) -> list[str]:
     names = ["old_log_probs", "entropy"] if "actor" in _roles(plan) else []
+    if names and plan["rollout"].get("sum_pi_squared"):  # optimal_token_baseline / actor.calculate_sum_pi_squared
+        names.append("sum_pi_squared")
     if plan.get("ref") is not None:
         names.append("ref_log_probs")
     if plan.get("critic") is not None:
@@ -194,7 +198,8 @@ def rank_main(ctx, rank: int, world: int) -> dict:
         with progress(f"logprob {role}", total=len(micro), unit="micro-batch", rank=rank) as bar:
             for mb in micro:
                 batch = binning.collate_bins([[rows[i] for i in b] for b in mb], pad_id, device=device)
-                for name, values in _forward(role, model, batch, temperature).items():
+                for name, values in _forward(role, model, batch, temperature,
+                                             bool(plan["rollout"].get("sum_pi_squared"))).items():
                     chunks.setdefault(name, []).append(values)
                 bar.update(1)
         out["timings"][f"{role}_forward_s"] = round(time.perf_counter() - t_fwd, 4)
@@ -244,20 +249,24 @@ def _remove_padding(ctx, role: str) -> bool:
     return bool(ctx.get(key))
 
 
-def _forward(role, model, batch, temperature) -> dict:
+def _forward(role, model, batch, temperature, sum_pi_squared: bool = False) -> dict:
     """Per-row float32 numpy arrays (response length) of one micro-batch (binning.collate_bins),
-    rows in bin order."""
+    rows in bin order. The actor's pass also gives Σ_v π_v² per token when `sum_pi_squared`."""
     import torch
 
     lengths = batch["response_lengths"]
     with torch.inference_mode():
         if role == "critic":
             return {"values": _split(models.response_values(model, batch), lengths)}
-        logp, ent = models.response_log_probs(model, batch, temperature=temperature,
-                                              with_entropy=role == "actor", chunk_size=CHUNK)
+        actor = role == "actor"
+        logp, ent, pi2 = models.response_stats(model, batch, temperature=temperature, with_entropy=actor,
+                                               chunk_size=CHUNK, with_sum_pi_squared=actor and sum_pi_squared)
     if role == "ref":
         return {"ref_log_probs": _split(logp, lengths)}
-    return {"old_log_probs": _split(logp, lengths), "entropy": _split(ent, lengths)}
+    out = {"old_log_probs": _split(logp, lengths), "entropy": _split(ent, lengths)}
+    if pi2 is not None:
+        out["sum_pi_squared"] = _split(pi2, lengths)
+    return out
 
 
 def _split(tensor, lengths) -> list:

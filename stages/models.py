@@ -112,21 +112,28 @@ def _hidden_states(model, batch):
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def _chunk_stats(head, hidden, targets, temperature: float, with_entropy: bool):
+def _chunk_stats(head, hidden, targets, temperature: float, with_entropy: bool, with_sum_pi_squared: bool = False):
     logits = head(hidden).float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, None
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
+    # Σ_v π_v² = exp(logsumexp(2·logits) - 2·logsumexp(logits)) (verl calculate_sum_pi_squared_from_logits)
+    sum_pi_squared = torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * lse) if with_sum_pi_squared else None
+    return logp, entropy, sum_pi_squared
 
 
 def response_log_probs(model, batch, temperature: float = 1.0, with_entropy: bool = False,
                        chunk_size: int = DEFAULT_CHUNK):
-    """(log_probs (bs, R), entropy (bs, R) or None) of the response tokens under `model`, logits
-    divided by `temperature`. The vocab projection runs over at most `chunk_size` positions at a
-    time (never a full-vocab log-softmax of the whole micro-batch); with gradients each chunk is
+    """(log_probs, entropy or None): response_stats without Σπ²."""
+    log_probs, entropy, _ = response_stats(model, batch, temperature, with_entropy, chunk_size=chunk_size)
+    return log_probs, entropy
+
+
+def response_stats(model, batch, temperature: float = 1.0, with_entropy: bool = False,
+                   chunk_size: int = DEFAULT_CHUNK, with_sum_pi_squared: bool = False):
+    """(log_probs (bs, R), entropy (bs, R) or None, Σ_v π_v² (bs, R) or None) of the response
+    tokens under `model`, logits divided by `temperature`. The vocab projection runs over at most
+    `chunk_size` positions at a time (never a full-vocab log-softmax of the whole micro-batch); with gradients each chunk is
     recomputed in backward (activation checkpointing), so memory follows the chunk. Padded
     response positions are 0. `batch` from binning.collate_bins (whole sequences in tensor rows,
     attention kept inside each sequence by restarting position_ids) or batching.collate."""
@@ -143,24 +150,28 @@ def response_log_probs(model, batch, temperature: float = 1.0, with_entropy: boo
         flat_t = batch["input_ids"][:, P:P + R].reshape(-1)
     head = model.get_output_embeddings()
     use_ckpt = torch.is_grad_enabled() and flat_h.requires_grad
-    logps, ents = [], []
+    logps, ents, pi2s = [], [], []
     step = max(1, int(chunk_size))
     for s in range(0, flat_h.shape[0], step):
         h, t = flat_h[s:s + step], flat_t[s:s + step]
         if use_ckpt:
             from torch.utils.checkpoint import checkpoint
 
-            lp, en = checkpoint(_chunk_stats, head, h, t, temperature, with_entropy, use_reentrant=False)
+            lp, en, p2 = checkpoint(_chunk_stats, head, h, t, temperature, with_entropy, with_sum_pi_squared,
+                                    use_reentrant=False)
         else:
-            lp, en = _chunk_stats(head, h, t, temperature, with_entropy)
+            lp, en, p2 = _chunk_stats(head, h, t, temperature, with_entropy, with_sum_pi_squared)
         logps.append(lp)
         if with_entropy:
             ents.append(en)
+        if with_sum_pi_squared:
+            pi2s.append(p2)
     if not logps:  # no response tokens at all
-        logps = ents = [flat_h.new_zeros(0, dtype=torch.float32)]
+        logps = ents = pi2s = [flat_h.new_zeros(0, dtype=torch.float32)]
     log_probs = _to_rows(torch.cat(logps), batch)
     entropy = _to_rows(torch.cat(ents), batch) if with_entropy else None
-    return log_probs, entropy
+    sum_pi_squared = _to_rows(torch.cat(pi2s), batch) if with_sum_pi_squared else None
+    return log_probs, entropy, sum_pi_squared
 
 
 def _to_rows(flat, batch):
