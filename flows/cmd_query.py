@@ -1,5 +1,6 @@
 """`stagerl query "SQL" --experiment E`: DuckDB over every complete step's parquet (tables rollout,
-logprob, reward, advantage, microbatches, metrics, candidates (DAPO's generated answers); each with `step` and `row`).
+logprob, reward, advantage, microbatches, metrics, candidates (DAPO's generated answers), baseline
+(ReMax's greedy answers with their scores); each with `step` and `row`).
 `stagerl export EXPERIMENT --format jsonl [--out DIR]`: verl's rollout dump, one {step}.jsonl per
 step (input, output, gts, score, step, reward extras), as trainer.rollout_data_dir writes it."""
 from flows.inspect_lib import add_run_arguments, guarded
@@ -7,7 +8,7 @@ from flows.inspect_lib import add_run_arguments, guarded
 
 def register(subparsers) -> None:
     q = subparsers.add_parser("query", help="SQL (DuckDB) over a run's parquet: tables rollout, "
-                                            "logprob, reward, advantage, microbatches, metrics, candidates")
+                                            "logprob, reward, advantage, microbatches, metrics, candidates, baseline")
     q.add_argument("sql", help='e.g. "SELECT step, avg(score) FROM reward GROUP BY step"')
     q.add_argument("--experiment", required=True, help="trainer.experiment_name of the run")
     add_run_arguments(q, experiment=False)

@@ -4,6 +4,9 @@ Tables (each with `step` and `row`, the row's index in its step, so stages join 
     rollout, logprob, reward, advantage   one row per rollout row
     microbatches                          update/microbatches.parquet, one row per (rank, micro-batch)
     metrics                               step, source ('update' | 'advantage'), name, value
+    candidates                            DAPO's generated answers (rollout/candidates.parquet)
+    baseline                              ReMax's greedy answers, one per prompt (rollout/baseline.parquet)
+                                          with score and acc (reward/baseline.parquet; null until scored)
 Only stages with a manifest count (read through storage.artifacts, checksums verified). The
 tables are registered as Arrow tables, so a local store and S3 behave the same.
 
@@ -15,7 +18,7 @@ import pyarrow as pa
 
 from storage.schemas import SCHEMAS
 
-TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics", "candidates")
+TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics", "candidates", "baseline")
 # candidates: every answer DAPO's dynamic sampling generated (rollout/candidates.parquet), kept or not
 _STAGE_OF = {"rollout": "rollout", "logprob": "logprob", "reward": "reward",
              "advantage": "advantage", "microbatches": "update"}
@@ -40,6 +43,8 @@ def stage_table(view, name: str, steps=None) -> pa.Table:
         return metrics_table(view, steps)
     if name == "candidates":
         return candidates_table(view, steps)
+    if name == "baseline":
+        return baseline_table(view, steps)
     if name not in _STAGE_OF:
         raise KeyError(f"no table {name!r}; tables are {', '.join(TABLES)}")
     stage = _STAGE_OF[name]
@@ -62,6 +67,33 @@ def candidates_table(view, steps=None) -> pa.Table:
         if manifest is not None and name in manifest.get("files", {}):
             parts.append(_with_keys(read_file(view.store, view.layout, step, "rollout", name), step))
     return pa.concat_tables(parts) if parts else _empty("rollout_candidates")
+
+
+def baseline_table(view, steps=None) -> pa.Table:
+    """The steps whose rollout generated greedy baseline answers (estimators that need a baseline:
+    remax), with step and row, and each answer's score and acc once the reward stage scored them."""
+    from storage.artifacts import read_file
+
+    answers, scores = "rollout/baseline.parquet", "reward/baseline.parquet"
+    parts = []
+    for step in (view.complete_steps(["rollout"]) if steps is None else steps):
+        manifest = view.manifest(step, "rollout")
+        if manifest is None or answers not in manifest.get("files", {}):
+            continue
+        table = _with_keys(read_file(view.store, view.layout, step, "rollout", answers), step)
+        scored = view.manifest(step, "reward")
+        by_uid = {}
+        if scored is not None and scores in scored.get("files", {}):
+            s = read_file(view.store, view.layout, step, "reward", scores)
+            by_uid = dict(zip(s.column("uid").to_pylist(), zip(s.column("score").to_pylist(), s.column("acc").to_pylist())))
+        uids = table.column("uid").to_pylist()
+        for i, name in enumerate(("score", "acc")):
+            table = table.append_column(name, pa.array([by_uid[u][i] if u in by_uid else None for u in uids],
+                                                       pa.float32()))
+        parts.append(table)
+    if not parts:
+        return pa.schema(list(_empty("rollout").schema) + [("score", pa.float32()), ("acc", pa.float32())]).empty_table()
+    return pa.concat_tables(parts, promote_options="permissive")
 
 
 def metrics_table(view, steps=None) -> pa.Table:

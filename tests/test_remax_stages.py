@@ -92,6 +92,11 @@ def test_remax_rollout_reward_advantage(tmp_path, assets):
     assert step_summary(view, 1, "rollout")["stages"]["rollout"]["baseline"]["prompts"] == 4
     assert step_summary(view, 1, "reward")["stages"]["reward"]["baseline_score"]["mean"] == \
         pytest.approx(sum(expected_b) / 4)
+    from storage.query import run_query
+
+    _, got = run_query(view, "SELECT uid, response, score FROM baseline ORDER BY row")  # stagerl query
+    assert [(u, r) for u, r, _ in got] == list(zip(base.column("uid").to_pylist(), base.column("response").to_pylist()))
+    assert [sc for _, _, sc in got] == pytest.approx(expected_b)
     shown = sample_view(view, 1, uids[0], 0)
     assert shown["baseline"]["response"] == base.column("response").to_pylist()[0]
     assert shown["baseline"]["score"] == pytest.approx(expected_b[0])
