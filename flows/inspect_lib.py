@@ -149,7 +149,8 @@ def logprob_metrics(view, step: int) -> dict:
     t = view.table(step, "logprob")
     out = {"entropy/token_mean": token_mean(t, "entropy"),
            "old_log_prob/token_mean": token_mean(t, "old_log_probs")}
-    if "ref_log_probs" in t.schema.names:
+    if "ref_log_probs" in t.schema.names and "old_log_probs" in t.schema.names:
+        # (the old log-probs may come from the update's forward: absent until the update commits)
         import pyarrow.compute as pc
         old = pc.list_flatten(t.column("old_log_probs"))
         ref = pc.list_flatten(t.column("ref_log_probs"))

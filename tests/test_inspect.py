@@ -301,3 +301,19 @@ def test_commands_on_s3_store(tiny, run, tmp_path, capsys, monkeypatch):
         assert store.read_bytes("stagerl/demo/plots/metrics.png")[:8] == b"\x89PNG\r\n\x1a\n"
         code, _, err = cli(capsys, "inspect", "other", "--root", root)
         assert code == 2 and "does not exist" in err
+
+
+def test_logprob_section_before_the_update_stored_old_log_probs(tmp_path):
+    """On-policy with a KL loss the logprob stage stores only reference log-probs; the old ones come
+    with the update (update/log_probs.parquet). Until then inspect shows no old-vs-ref KL, and
+    does not fail."""
+    from flows.inspect_lib import logprob_metrics
+    from storage.artifacts import write_table
+    from storage.layout import RunLayout
+    from storage.run_view import RunView
+    from storage.schemas import make_table
+
+    store, layout = Store.from_config({"root": str(tmp_path)}), RunLayout("p", "e")
+    write_table(store, layout, 1, "logprob", make_table("logprob", {"ref_log_probs": [[-1.0, -2.0]]}), fingerprint="l")
+    metrics = logprob_metrics(RunView(store, layout), 1)["metrics"]
+    assert metrics["old_log_prob/token_mean"] is None and "kl_old_ref_k1/token_mean" not in metrics
