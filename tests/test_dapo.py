@@ -113,3 +113,36 @@ def test_too_few_varied_groups_fails_with_the_counts(tmp_path, assets):
                                                    r"batches .*max_num_gen_batches=2"):
         rollout.run(ctx)
     assert read_manifest(ctx.store, ctx.layout, 1, "rollout") is None  # nothing committed
+
+
+# verl's DAPO end-to-end recipe (tests/special_e2e/run_dapo.sh, NUM_GPUS=8, shell variables expanded)
+VERL_DAPO = ("reward_model.reward_manager=dapo algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False "
+             "algorithm.kl_ctrl.kl_coef=0.0 actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0 "
+             "actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28 "
+             "data.max_prompt_length=1024 data.max_response_length=2048 reward_model.overlong_buffer.enable=True "
+             "reward_model.overlong_buffer.len=128 reward_model.overlong_buffer.penalty_factor=1.0 "
+             "actor_rollout_ref.actor.loss_agg_mode=token-mean data.train_batch_size=256 data.gen_batch_size=1024 "
+             "algorithm.filter_groups.enable=True algorithm.filter_groups.metric=seq_reward "
+             "algorithm.filter_groups.max_num_gen_batches=10 actor_rollout_ref.actor.optim.lr=1e-6 "
+             "actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.model.use_fused_kernels=True "
+             "actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=128 "
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 actor_rollout_ref.actor.fsdp_config.param_offload=False "
+             "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False "
+             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2 "
+             "actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm "
+             "actor_rollout_ref.rollout.gpu_memory_utilization=0.8 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2 "
+             "actor_rollout_ref.ref.fsdp_config.param_offload=True trainer.logger=console trainer.n_gpus_per_node=8 "
+             "trainer.nnodes=1 trainer.save_freq=-1 trainer.total_epochs=2 trainer.resume_mode=disable "
+             "trainer.val_before_train=False trainer.total_training_steps=1").split()
+
+
+def test_verl_dapo_recipe_plans_with_its_numbers():
+    from configs.suggest import make_plan
+
+    cfg = load_config(None, VERL_DAPO)
+    plan = make_plan(cfg)
+    assert (plan["prompts_per_step"], plan["rows_per_step"]) == (256, 1024)  # 256 prompts × n 4
+    # mini-batch 128 prompts × 4 ÷ dp 8 = 64 rows per rank; 1024 ÷ 8 = 128 rows per rank: 2 optimizer steps
+    assert plan["actor"]["ppo_mini_batch_size_per_gpu"] == 64 and plan["ref"] is None
+    assert plan["rollout"]["num_replicas"] == 4  # 8 GPUs ÷ TP 2
+    assert cfg["data"]["gen_batch_size"] == 1024 and cfg["algorithm"]["filter_groups"]["metric"] == "seq_reward"
