@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from flows import step_report
+from flows.stage_watch import Heartbeat, heartbeat_timeout, run_stage_deployment
 from storage.artifacts import read_manifest, read_run_json
 from storage.faults import with_faults
 from storage.layout import STAGES, RunLayout
@@ -170,7 +171,7 @@ def execute_stage(stage: str, run_uri: str, step: int, extra: dict | None = None
         return Completed(name="Cached", message=message, data=summarize(manifest, skipped=True))
     t0 = time.perf_counter()
     if deployment:
-        run_stage_deployment(deployment, stage, run_uri, step, extra)
+        run_stage_deployment(deployment, ctx, stage, run_uri, extra)
         manifest = read_manifest(ctx.store, ctx.layout, step, stage)
         if not manifest:
             raise RuntimeError(f"deployment {deployment} finished but step {step} stage {stage!r} "
@@ -188,20 +189,6 @@ def execute_stage(stage: str, run_uri: str, step: int, extra: dict | None = None
 def stage_task(stage: str, run_uri: str, step: int, extra: dict | None = None,
                deployment: str | None = None):
     return execute_stage(stage, run_uri, step, extra, deployment)
-
-
-def run_stage_deployment(name: str, stage: str, run_uri: str, step: int, extra) -> None:
-    from prefect.deployments import run_deployment
-
-    flow_run = run_deployment(name=name, timeout=None,
-                              parameters={"stage": stage, "run_uri": run_uri, "step": step,
-                                          "extra": extra or {}})
-    if not flow_run.state or not flow_run.state.is_completed():
-        state = flow_run.state.name if flow_run.state else "unknown"
-        why = (flow_run.state.message or "") if flow_run.state else ""
-        raise RuntimeError(f"deployment {name} (flow run {flow_run.name}) ended {state} for step "
-                           f"{step} stage {stage!r}: {why} (its logs: `prefect flow-run logs "
-                           f"{flow_run.id}`)")
 
 
 def check_stage_deployments(cfg: dict) -> dict:
@@ -241,9 +228,10 @@ def stage_flow(stage: str, run_uri: str, step: int, extra: dict | None = None) -
     host = socket.gethostname()
     logger().info(f"{stage} of step {step} on host {host}")
     try:
-        cfg, _, _ = open_run(run_uri)
-        return task_result(stage_task.with_options(**retry_options(cfg))(stage, run_uri, step, extra,
-                                                                      return_state=True))
+        cfg, _, store = open_run(run_uri)
+        with Heartbeat(store, RunLayout.from_config(cfg).heartbeat(step, stage), heartbeat_timeout(cfg)):
+            return task_result(stage_task.with_options(**retry_options(cfg))(stage, run_uri, step, extra,
+                                                                          return_state=True))
     except Exception as exc:  # the driver's error names the host this stage ran on
         raise RuntimeError(f"{stage} of step {step} failed on host {host}: "
                            f"{type(exc).__name__}: {exc}") from exc

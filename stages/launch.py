@@ -21,6 +21,9 @@
     venv's python (both must exist at the same paths on every host); the master is the hostfile's
     first host (or $STAGERL_MASTER_ADDR), and this machine must be one of the hosts. A world
     smaller than the hostfile's slots uses world ÷ hosts slots per host (--num_gpus).
+  A multi-host launch whose pdsh session to a host fails (its ranks failed or were killed there, or
+  ssh lost the host: ServerAliveInterval x ServerAliveCountMax without an answer) is stopped at
+  once and the error names the host.
   Both run with OMP_NUM_THREADS=1 and TORCH_EXTENSIONS_DIR passed on (DeepSpeed's prebuilt ops);
   with pdsh only PYTHON*, UCX*, MV2*, MLFLOW* (and NCCL* on GPU) variables reach other hosts
   (put others, e.g. OMP_NUM_THREADS, in ~/.deepspeed_env or ./.deepspeed_env, `KEY=value` lines).
@@ -38,10 +41,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from stages.rank_procs import REPO_ROOT, context_payload, free_port, job_error, kill_group
@@ -94,12 +99,21 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         with out_f.open("wb") as out, err_f.open("wb") as err:
             proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=err,
                                     start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                kill_group(proc)
+            rc, lost = _wait_launch(proc, err_f, timeout_s, watch_hosts=launcher == "deepspeed")
+            if rc is None:
                 raise RuntimeError(f"{module} on {world} ranks ({launcher}) did not finish in {timeout_s} s; "
                                    f"stderr tail:\n{_tail(err_f)}") from None
+            if lost:
+                host, code = lost
+                what = (f"was lost: ssh to it ended with exit code 255 (no answer within ssh's "
+                        f"ServerAliveInterval x ServerAliveCountMax, or the connection failed)" if code == 255
+                        else f"ended its launch with exit code {code} (a rank there failed or was killed)")
+                message = (f"{module} on {world} ranks (deepspeed over {', '.join(_hosts(cmd))}): host {host} "
+                           f"{what}; the launch was stopped on every host.\n--- stderr tail ---\n{_tail(err_f)}")
+                if code == 255:
+                    raise RuntimeError(message)
+                # the ranks' tracebacks (relayed by pdsh): a storage error there stays retryable
+                raise job_error(message, [e.read_text() for e in tmp.glob("error_*.txt")] + relayed_errors(err_f))
         sys.stdout.write(_rank_stdout(out_f))
         sys.stdout.flush()
         errors = sorted(tmp.glob("error_*.txt"), key=lambda e: e.stat().st_mtime)  # first failure first
@@ -115,6 +129,68 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         if len(results) != world:
             raise RuntimeError(f"{module}: {len(results)} results from {world} ranks")
         return results
+
+
+PDSH_EXIT = re.compile(r"pdsh@[^:\s]+: ([^:\s]+): ssh exited with exit code (\d+)")
+
+
+def _wait_launch(proc, err_path: Path, timeout_s: float, watch_hosts: bool):
+    """(exit code or None on timeout, (host, ssh exit code) of the first host whose pdsh session
+    ended in failure, or None). A multi-host DeepSpeed launch is stopped as soon as one host's
+    session fails (pdsh says so on stderr): the ranks elsewhere would otherwise wait for it in a
+    collective until the process group's timeout."""
+    deadline, offset = time.monotonic() + timeout_s, 0
+    while True:
+        try:
+            rc = proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            rc = None
+        if watch_hosts and err_path.exists():
+            with err_path.open("rb") as f:
+                f.seek(offset)
+                new = f.read()
+            cut = new.rfind(b"\n") + 1
+            offset += cut
+            found = PDSH_EXIT.search(new[:cut].decode(errors="replace"))
+            if found and int(found.group(2)) != 0:
+                kill_group(proc)  # DeepSpeed's runner stops the launch on every host it reaches
+                return proc.poll(), (found.group(1), int(found.group(2)))
+        if rc is not None:
+            return rc, None
+        if time.monotonic() > deadline:
+            kill_group(proc)
+            return None, None
+
+
+RANK_FAILED = re.compile(r"stagerl rank \d+ of \d+ \([^)]*\) failed:")
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
+def relayed_errors(err_path: Path) -> list[str]:
+    """The exception line of each rank traceback in a launch's stderr (other hosts' relayed by
+    pdsh as `host: line`), for job_error's storage-or-not decision."""
+    text = err_path.read_text(errors="replace") if err_path.exists() else ""
+    lines = [re.sub(r"^[\w.-]+: ", "", line) for line in text.splitlines()]
+    out, block = [], None
+    for line in lines:
+        if RANK_FAILED.search(line):
+            if block:
+                out.append(block)
+            block = ""
+        elif block is not None and EXCEPTION_LINE.match(line):
+            block = line  # the last exception line of this rank's traceback
+    if block:
+        out.append(block)
+    return out
+
+
+def _hosts(cmd: list) -> list:
+    from configs.plan import read_hostfile
+
+    try:
+        return list(read_hostfile(cmd[cmd.index("--hostfile") + 1]))
+    except (ValueError, IndexError, OSError):
+        return ["?"]
 
 
 def _ctx_value(ctx, key: str):

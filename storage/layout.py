@@ -151,6 +151,10 @@ class RunLayout:
     def train_state(self) -> str:
         return f"{self.base}/train_state"
 
+    def heartbeat(self, step: int, stage: str) -> str:
+        """The heartbeat a stage's flow run on another machine writes (flows/stage_watch.py)."""
+        return f"{self.base}/_live/{check_step(step):06d}/{check_stage(stage)}.json"
+
     def transfer(self, step: int, stage: str) -> str:
         """Where ranks on other machines leave files for the machine that launched them (no shared
         file system: stages/rank_files.py); removed once that machine has fetched them."""

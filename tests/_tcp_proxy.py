@@ -10,9 +10,10 @@ from _s3_server import free_port
 
 
 class TcpProxy:
-    def __init__(self, target_port: int):
+    def __init__(self, target_port: int, host: str = "127.0.0.1", port: int | None = None):
         self.target = ("127.0.0.1", int(target_port))
-        self.port = free_port()
+        self.host = host  # the address it listens on (tests/cluster: every address of its host)
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._conns: set = set()
         self._lock = threading.Lock()
@@ -29,7 +30,7 @@ class TcpProxy:
     def _listen(self) -> None:
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
+        listener.bind((self.host, self.port))
         listener.listen(64)
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()

@@ -489,6 +489,10 @@ def test_docker_compose_config_is_valid():
     services = yaml.safe_load(out.stdout)["services"]
     assert {"postgres", "prefect-server", "minio", "minio-bucket", "cpu-worker",
             "gpu-worker"} <= set(services)
+    for pool in ("inference", "training"):  # orchestration.mode=deployments (docs/cluster.md, make cluster-test)
+        command = services[f"{pool}-worker"]["command"]
+        assert f"--pool {pool}" in (command if isinstance(command, str) else " ".join(command))
+        assert services[f"{pool}-worker"]["environment"]["AWS_ENDPOINT_URL"] == "http://minio:9000"
     assert services["gpu-worker"]["runtime"] == "nvidia"
     ports = [p for s in services.values() for p in s.get("ports", [])]
     assert ports and all(str(p).startswith("127.0.0.1:") or

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from stack import (BUCKET, REPO, TRAINING, check_ssh, deploy, host_env, prefect,
 
 HOSTS = ["ctl", "inf", "trn1", "trn2"]
 ROOT = f"s3://{BUCKET}/cluster-test"
+HEARTBEAT_S = 15.0  # orchestration.stage_heartbeat_timeout_s of these runs
 TOOLS = {"ip": "iproute2", "unshare": "util-linux", "nsenter": "util-linux", "/usr/sbin/sshd": "openssh-server",
          "ssh": "openssh-client", "ssh-keygen": "openssh-client", "pdsh": "pdsh"}
 T0 = time.time()
@@ -76,7 +78,8 @@ def write_image(cluster) -> Path:
 
 
 def overrides(image: Path, steps: int = 2) -> list[str]:
-    """A small GRPO run with the KL loss (so logprob runs a reference pass on the ranks)."""
+    """A small GRPO run with the KL loss (so logprob runs a reference pass on the ranks). Storage
+    retries after 1, 2, 4, 8, 16 s ride out a 15 s outage; a stage flow silent for 15 s is lost."""
     return ["warmstart.enable=false", "actor_rollout_ref.rollout.name=hf", "trainer.val_before_train=false",
             "trainer.test_freq=-1", f"data.train_files={image}/train.parquet", f"data.val_files={image}/test.parquet",
             f"actor_rollout_ref.model.path={image}/model", f"storage.root={ROOT}",
@@ -85,7 +88,8 @@ def overrides(image: Path, steps: int = 2) -> list[str]:
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.rollout.hf_generate_batch_size=8", f"trainer.total_training_steps={steps}",
-            "reward.num_workers=1", "orchestration.retry_delay_s=0.5"]
+            "reward.num_workers=1", "trainer.save_freq=1",  # every step's weights kept: compared
+            "orchestration.retry_delay_s=1", f"orchestration.stage_heartbeat_timeout_s={HEARTBEAT_S:g}"]
 
 
 def cluster_overrides(image: Path) -> list[str]:
@@ -122,20 +126,29 @@ def check_placement(doc: dict) -> list[str]:
     return problems
 
 
+def run_params(image: Path, experiment: str, steps: int = 2) -> dict:
+    return {"overrides": overrides(image, steps) + cluster_overrides(image), "experiment_name": experiment}
+
+
 def run_deployment(cluster, image: Path, experiment: str, timeout: float = 600):
-    params = json.dumps({"overrides": overrides(image) + cluster_overrides(image), "experiment_name": experiment})
+    params = json.dumps(run_params(image, experiment))
     return prefect(cluster, "deployment", "run", "rl-train/tiny-cpu", "--params", params, "--watch",
                    "--watch-interval", "2", "--watch-timeout", str(int(timeout)), timeout=timeout + 60, check=False)
 
 
 def bring_up(cluster) -> Path:
     say(f"hosts up: {', '.join(f'{h.name}={h.addr}' for h in cluster.hosts.values())} (folder {cluster.base})")
-    image = write_image(cluster)
+    written = threading.Thread(target=write_image, args=(cluster,), name="image")  # beside the services' start
+    written.start()
     setup_ssh(cluster)
     for name in TRAINING:
         write_deepspeed_env(cluster, name)
         start_sshd(cluster, name)
     start_ctl(cluster)
+    written.join()
+    image = cluster.base / "image"
+    if not (image / "hostfile").exists():
+        raise RuntimeError("the image (model, data, hostfile) was not written")
     say("ctl: S3 endpoint and Prefect server answer")
     deploy(cluster)
     for name in HOSTS:
@@ -148,7 +161,9 @@ def bring_up(cluster) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.parse_args(argv)
+    parser.add_argument("--keep-logs", help="copy the hosts' logs into this folder before the hosts go")
+    parser.add_argument("--no-faults", action="store_true", help="only the clean run and its comparison")
+    args = parser.parse_args(argv)
     reason = ensure_tools()
     if reason:
         print(f"cluster-test SKIPPED: {reason}", flush=True)
@@ -157,16 +172,17 @@ def main(argv=None) -> int:
     with Cluster(HOSTS) as cluster:
         try:
             image = bring_up(cluster)
-            say("single-host reference on ctl: stagerl train, 2 ranks in its rank pool")
-            ref = cluster["ctl"].run([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu",
-                                      "--experiment", "reference", *overrides(image), "trainer.n_gpus_per_node=2"],
-                                     env=host_env(cluster), cwd=REPO, timeout=600, check=False)
-            if ref.returncode != 0:
-                raise RuntimeError(f"reference run failed:\n{ref.stdout[-4000:]}\n{ref.stderr[-2000:]}")
-            say("cluster run: prefect deployment run 'rl-train/tiny-cpu' --watch")
+            say("single-host reference on ctl (stagerl train, 2 ranks in its rank pool), beside the cluster "
+                "run: prefect deployment run 'rl-train/tiny-cpu' --watch")
+            ref = cluster["ctl"].spawn([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu",
+                                        "--experiment", "reference", *overrides(image), "trainer.n_gpus_per_node=2"],
+                                       env=host_env(cluster), log="reference", cwd=REPO)
             run = run_deployment(cluster, image, "cluster")
             if run.returncode != 0:
                 raise RuntimeError(f"cluster run failed:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
+            say("cluster run completed")
+            if ref.wait(timeout=600) != 0:
+                raise RuntimeError(f"reference run failed:\n{ref.log.read_text()[-4000:]}")
             doc = report(cluster, "reference", "cluster")
             say("placement the cluster run's manifests record:\n" + placement_table(doc["cluster"]))
             failures += check_placement(doc["cluster"])
@@ -176,13 +192,46 @@ def main(argv=None) -> int:
                 f"{'bit-identical' if same else 'DIFFERENT'}")
             if not same:
                 failures.append("final weights differ from the single-host run's")
+            if not args.no_faults:
+                failures += fault_cases(cluster, image, got_w)
+            say("flow runs (Prefect):\n" + flow_run_table(cluster))
         except Exception as exc:  # noqa: BLE001 - reported with the hosts' logs
             failures.append(f"{type(exc).__name__}: {exc}")
             dump_logs(cluster)
+        finally:
+            if args.keep_logs:
+                shutil.copytree(cluster.base / "logs", args.keep_logs, dirs_exist_ok=True)
     for f in failures:
         print(f"FAILED: {f}", flush=True)
     print(f"cluster-test: {'passed' if not failures else 'failed'} in {time.time() - T0:.0f} s", flush=True)
     return 1 if failures else 0
+
+
+def fault_cases(cluster, image: Path, clean_weights: dict) -> list[str]:
+    from faults import run_faults
+
+    result = run_faults(cluster, run_params(image, "faults", steps=1), ROOT, HEARTBEAT_S, say)
+    doc = report(cluster, "faults")["faults"]
+    say("placement the faulted run's manifests record (after its retries):\n" + placement_table(doc))
+    same = doc["weights"].get("1") is not None and doc["weights"].get("1") == clean_weights.get("1")
+    say(f"step 1 weights sha256: faulted run {doc['weights'].get('1')}  uninterrupted cluster run "
+        f"{clean_weights.get('1')}  {'bit-identical' if same else 'DIFFERENT'}; timings {result['timings']}")
+    return result["problems"] + check_placement(doc) + ([] if same else ["the faulted run's weights differ"])
+
+
+FLOW_RUNS = """
+from prefect import get_client
+with get_client(sync_client=True) as c:
+    runs = sorted(c.read_flow_runs(limit=200), key=lambda r: r.start_time or r.expected_start_time)
+    t0 = runs[0].start_time
+    for r in runs:
+        start = (r.start_time - t0).total_seconds() if r.start_time and t0 else float("nan")
+        print(f"{r.name:<22} {r.state_name:<10} start +{start:6.1f}s  ran {r.total_run_time.total_seconds():6.1f}s")
+"""
+
+
+def flow_run_table(cluster) -> str:
+    return cluster["ctl"].run(["python", "-c", FLOW_RUNS], env=host_env(cluster), check=False).stdout
 
 
 def dump_logs(cluster, tail: int = 3000) -> None:

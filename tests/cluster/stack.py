@@ -20,9 +20,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 PREFECT = str(VENV_BIN / "prefect")
-S3_PORT, API_PORT = 9000, 4200
+S3_PORT, API_PORT = 9000, 4200  # what the hosts reach on ctl: the S3 proxy, the Prefect API
+MOTO_PORT = 9100  # moto's server, on ctl's loopback only: every client goes through the proxy
+OUTAGE_S = 15.0
 BUCKET = "runs"
-SSH_ALIVE_S = (3, 4)  # ServerAliveInterval, ServerAliveCountMax: a silent peer is dropped after 12 s
+SSH_ALIVE_S = (2, 4)  # ServerAliveInterval, ServerAliveCountMax: a silent peer is dropped after 8 s
 POOLS = {"ctl": "cpu", "inf": "inference", "trn1": "training", "trn2": "training"}
 TRAINING = ("trn1", "trn2")
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
@@ -105,15 +107,23 @@ def wait_http(host, url: str, timeout: float = 180.0, proc=None) -> None:
 
 
 def start_ctl(cluster) -> None:
-    """The S3 endpoint (with the bucket) and the Prefect server on ctl."""
+    """The S3 endpoint (moto behind tests/cluster/s3_proxy.py, with the bucket) and the Prefect
+    server on ctl."""
     ctl, env = cluster["ctl"], host_env(cluster)
-    moto = ctl.spawn([VENV_BIN / "moto_server", "-H", "0.0.0.0", "-p", S3_PORT],
+    moto = ctl.spawn([VENV_BIN / "moto_server", "-H", "127.0.0.1", "-p", MOTO_PORT],
                      env={k: v for k, v in env.items() if not k.startswith("AWS_")}, log="s3")
+    ctl.spawn([sys.executable, Path(__file__).with_name("s3_proxy.py"), S3_PORT, MOTO_PORT, OUTAGE_S,
+               outage_control(cluster)], env=env, log="s3-proxy")
     server = ctl.spawn([PREFECT, "server", "start", "--host", "0.0.0.0", "--port", API_PORT],
                        env=env, log="prefect-server")
     wait_http(ctl, f"http://ctl:{S3_PORT}/moto-api/", proc=moto)
     ctl.run(["python", "-c", f"import s3fs; s3fs.S3FileSystem().mkdir({BUCKET!r})"], env=env)
     wait_http(ctl, f"http://ctl:{API_PORT}/api/health", proc=server)
+
+
+def outage_control(cluster) -> Path:
+    """The file that starts an S3 outage (tests/cluster/s3_proxy.py)."""
+    return cluster.base / "run" / "s3-outage"
 
 
 def prefect(cluster, *args, host: str = "ctl", timeout: float = 300, check: bool = True):
