@@ -44,7 +44,10 @@ CONFIG_KEYS = ("actor_rollout_ref.model", "actor_rollout_ref.rollout.temperature
                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
                "actor_rollout_ref.ref", "actor_rollout_ref.actor.deepspeed.dtype",
-               "critic.model", "critic.enable", "algorithm.adv_estimator", "trainer.device")
+               "critic.model", "critic.enable", "trainer.device")
+# Not algorithm.adv_estimator: whether a critic gives values is the plan's `critic` (in every
+# fingerprint), so estimators that need no values (grpo, rloo, ...) share this stage's output and
+# a fork may switch between them after the logprob (flows/fork.py).
 # actor_rollout_ref.model.use_remove_padding / critic.model.use_remove_padding: static micro-batches
 # run packed (binning: whole sequences share tensor rows, attention kept inside each sequence).
 CHUNK = 1024  # positions per vocab projection

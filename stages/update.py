@@ -31,6 +31,7 @@ from stages.scratch import scratch_dir
 
 from stages.batching import format_load_line
 from storage.artifacts import read_manifest, write_stage
+from storage.lineage import delete_tree
 from storage.schemas import make_table
 from storage.weights import adopt_folder, folder_hashes, load_folder, save_folder, save_weights
 
@@ -236,6 +237,6 @@ def microbatch_table(results: list, extra_records=()):
 def _prune_states(ctx) -> None:
     """Keep the newest KEEP_STATES train states (deleting after the manifest keeps reruns possible)."""
     old = ctx.step - KEEP_STATES
-    if old >= 1:
-        ctx.store.delete(state_key(ctx.layout, old), recursive=True)
+    if old >= 1:  # a fork that references the state gets a copy first (storage.lineage)
+        delete_tree(ctx.store, state_key(ctx.layout, old))
 

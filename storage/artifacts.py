@@ -16,6 +16,7 @@ from pathlib import Path
 
 from storage import schemas
 from storage.layout import (STAGE_FILES, STAGES, RunLayout, check_stage, parse_step, temp_key)
+from storage.lineage import release
 from storage.secrets import scrub, scrub_override
 from storage.store import Store
 
@@ -78,6 +79,8 @@ def upload_files(store: Store, layout: RunLayout, step: int, stage: str, files: 
     missing = [n for n in STAGE_FILES[stage] if n not in files]
     if missing:
         raise ValueError(f"stage {stage!r} must write {', '.join(missing)}")
+    # a fork that references files about to be rewritten gets its own copy first (storage.lineage)
+    release(store, [layout.stage_file(step, name) for name in files])
     store.delete(layout.manifest(step, stage))
     token = uuid.uuid4().hex[:12]
     entries = {}

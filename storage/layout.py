@@ -8,6 +8,7 @@
     {project}/{experiment}/weights/step_{k:06d}/
     {project}/{experiment}/train_state/
     {project}/{experiment}/plots/{name}.png
+    {project}/{experiment}/forks/{fork}.json          the forks that reference this run's objects
 """
 import re
 
@@ -159,6 +160,22 @@ class RunLayout:
         """Where ranks on other machines leave files for the machine that launched them (no shared
         file system: stages/rank_files.py); removed once that machine has fetched them."""
         return f"{self.base}/_transfer/{check_step(step):06d}/{check_stage(stage)}"
+
+    @property
+    def forks_dir(self) -> str:
+        return f"{self.base}/forks"
+
+    def fork_record(self, experiment: str) -> str:
+        """The record of fork `experiment` (same project) that references this run's objects."""
+        return f"{self.forks_dir}/{check_name(experiment, 'experiment name')}.json"
+
+
+def owner_base(key: str) -> str:
+    """'{project}/{experiment}' of a key in the store: the run whose folder holds the object."""
+    parts = str(key).strip("/").split("/")
+    if len(parts) < 2:
+        raise ValueError(f"{key!r} is not a key of (or inside) a run folder")
+    return f"{parts[0]}/{parts[1]}"
 
 
 def parse_step(name: str):

@@ -182,6 +182,11 @@ class Store:
         with self._errors(f"move to {self.url(dst)} from", src):
             self.backend.move(self.path(src), self.path(dst))
 
+    def copy(self, src: str, dst: str) -> None:
+        """Copy one object (S3: a server-side copy)."""
+        with self._errors(f"copy to {self.url(dst)} from", src):
+            self.backend.copy(self.path(src), self.path(dst))
+
     def copy_folder(self, src: str, dst: str) -> int:
         """Copy every file under `src` to the same relative path under `dst`; returns count."""
         files = self.find(src)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from storage.artifacts import list_steps, read_manifest
 from storage.layout import SETUP_STAGES, STAGES, WEIGHTS_MANIFEST, RunLayout
+from storage.lineage import folder_base
 from storage.store import Store
 
 CHUNK = 8 << 20
@@ -113,8 +114,9 @@ def verify_run(store: Store, layout: RunLayout) -> VerifyReport:
     for step, folder in _folders(store, layout):
         report.folders += 1
         manifest = store.read_json(f"{folder}/{WEIGHTS_MANIFEST}")
+        base = folder_base(manifest, folder)  # a fork's folder: its source's files
         for rel, entry in manifest["files"].items():
-            check(f"{folder}/{rel}", entry, step=step, folder=folder)
+            check(f"{base}/{rel}", entry, step=step, folder=folder)
     report.seconds = time.perf_counter() - t0
     return report
 

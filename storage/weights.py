@@ -15,6 +15,7 @@ from pathlib import Path
 
 from storage.artifacts import ChecksumError, IncompleteError, code_version, fingerprint
 from storage.layout import WEIGHTS_MANIFEST, RunLayout, parse_weights_step
+from storage.lineage import folder_base, release
 from storage.secrets import scrub
 from storage.store import Store
 
@@ -52,6 +53,7 @@ def save_folder(store: Store, local_dir, key: str, extra=None, adopt_into=None, 
     `local_dir` when the caller already has them."""
     local_dir = Path(local_dir)
     entries, checksum = hashes if hashes is not None else folder_hashes(local_dir)
+    release(store, [key])  # a fork that references the folder being rewritten gets a copy first
     store.delete(f"{key}/{WEIGHTS_MANIFEST}")
     t0 = time.perf_counter()
     for rel in entries:
@@ -150,8 +152,10 @@ def folder_manifest(store: Store, key: str) -> dict:
 
 def load_folder(store: Store, key: str, cache_dir=None) -> Path:
     """A local folder with the files of `key/`, from the cache when already fetched (by folder
-    checksum), else downloaded, verified and moved into the cache atomically."""
+    checksum), else downloaded, verified and moved into the cache atomically. A fork's folder
+    references its source's (storage.lineage): the files are read where its `base` says."""
     manifest = folder_manifest(store, key)
+    src = folder_base(manifest, key)
     cache = Path(cache_dir or store.cache_dir) / "folders"
     target = cache / manifest["checksum"]
     if (target / ".complete").exists():
@@ -167,9 +171,9 @@ def load_folder(store: Store, key: str, cache_dir=None) -> Path:
         for rel, entry in manifest["files"].items():
             dest = tmp / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            store.get_file(f"{key}/{rel}", dest)
+            store.get_file(f"{src}/{rel}", dest)
             if dest.stat().st_size != entry["size"] or file_sha256(dest) != entry["sha256"]:
-                raise ChecksumError(f"checksum mismatch for {store.url(f'{key}/{rel}')}")
+                raise ChecksumError(f"checksum mismatch for {store.url(f'{src}/{rel}')}")
         _seal(tmp, manifest["checksum"])
         try:
             os.rename(tmp, target)
