@@ -17,6 +17,9 @@ COMMAND_MODULES = [
     "flows.cmd_stats",
     "flows.cmd_train",
     "flows.cmd_verify",
+    "flows.cmd_fork",
+    "flows.cmd_rescore",
+    "flows.cmd_delete",
 ]
 
 
@@ -32,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `stagerl fork SRC NEW --at 3:advantage key=value`: overrides after an option
+        if not getattr(args, "trailing_overrides", False) or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides or []) + extra
     return int(args.func(args) or 0)
 
 

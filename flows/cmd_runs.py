@@ -1,5 +1,5 @@
-"""`stagerl runs [--root URL]`: the experiments in a store, their steps done and the last
-complete stage."""
+"""`stagerl runs [--root URL]`: the experiments in a store, their steps done, the last
+complete stage, and for a fork its source and fork point (run.json's lineage, flows/fork.py)."""
 
 
 def register(subparsers) -> None:
@@ -20,6 +20,7 @@ def collect(store, verify: bool = False) -> list:
     the number of stored files that do not match their manifests)."""
     from storage.artifacts import read_run_json, run_status
     from storage.layout import STAGES, RunLayout
+    from storage.lineage import fork_records
     from storage.weights import list_weights
 
     rows = []
@@ -41,10 +42,15 @@ def collect(store, verify: bool = False) -> list:
                     break
             weights = list_weights(store, layout)
             lock = store.exists(layout.lock)
+            doc = read_run_json(store, layout)
+            lineage = (doc or {}).get("lineage") or {}
             rows.append({"project": project, "experiment": experiment,
                          "steps_done": len(done), "last_step_done": max(done) if done else None,
                          "last_complete": last, "weights": weights[-1] if weights else None,
-                         "locked": lock, "has_run_json": read_run_json(store, layout) is not None})
+                         "locked": lock, "has_run_json": doc is not None,
+                         "forked_from": ({k: lineage.get(k) for k in ("source", "at", "overrides")}
+                                         if lineage else None),
+                         "forks": len(fork_records(store, layout))})
             if verify:
                 from storage.verify import verify_run
 
@@ -68,14 +74,26 @@ def run(args) -> int:
     if not rows:
         print("no experiments")
         return 0
-    header = ("PROJECT", "EXPERIMENT", "STEPS DONE", "LAST COMPLETE", "WEIGHTS", "LOCKED") + (
-        ("DAMAGED",) if args.verify else ())
+    header = ("PROJECT", "EXPERIMENT", "STEPS DONE", "LAST COMPLETE", "WEIGHTS", "LOCKED",
+              "FORKED FROM", "FORKS") + (("DAMAGED",) if args.verify else ())
     table = [header] + [(r["project"], r["experiment"], str(r["steps_done"]),
                          r["last_complete"] or "-",
                          "-" if r["weights"] is None else f"step_{r['weights']:06d}",
-                         "yes" if r["locked"] else "no") + ((str(r["damaged"]),) if args.verify else ())
-                        for r in rows]
+                         "yes" if r["locked"] else "no", _lineage(r), str(r["forks"]))
+                        + ((str(r["damaged"]),) if args.verify else ()) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return 0
+
+
+def _lineage(row: dict) -> str:
+    """'tour @ 3:advantage (algorithm.adv_estimator=rloo)' for a fork, '-' otherwise."""
+    lineage = row.get("forked_from")
+    if not lineage:
+        return "-"
+    source = str(lineage.get("source") or "?")
+    if source.split("/")[0] == row["project"]:
+        source = source.split("/", 1)[-1]
+    shown = [o for o in lineage.get("overrides") or [] if not o.startswith("storage.")]
+    return f"{source} @ {lineage.get('at')}" + (f" ({' '.join(shown)})" if shown else "")

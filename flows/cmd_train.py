@@ -98,7 +98,9 @@ def drain_prefect_senders(timeout: float = 10.0) -> None:
             print(f"warning: could not flush Prefect {sender.__name__}: {exc}")
 
 
-def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int:
+def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: dict | None = None) -> int:
+    """The rl-train flow on a local Prefect server (see local_prefect_server); with `fork`, the
+    experiment is first made a fork (flows.fork: `overrides` are then the fork's own)."""
     from configs.loader import load_config
     from configs.local_paths import check_local_paths
     from configs.memory import check_fits, estimate_memory
@@ -106,14 +108,27 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
     from configs.schema import ConfigError
     from configs.suggest import make_plan
 
-    try:  # refuse a bad config or plan before any Prefect start-up
-        cfg = load_config(config, list(overrides) + (
+    try:  # refuse a bad config or plan (or fork) before any Prefect start-up
+        whole = (config, overrides)
+        if fork:  # flows.fork imports no Prefect at load: PREFECT_HOME is not set yet
+            from flows.fork import fork_arguments
+
+            whole = fork_arguments(config, overrides, fork)
+        cfg = load_config(whole[0], list(whole[1]) + (
             [f"trainer.experiment_name={experiment}"] if experiment else []))
         plan = make_plan(cfg)
         check_trainable(cfg)
         check_local_paths(cfg)
         check_fits(cfg, estimate_memory(cfg, plan))  # with a known device size
-    except ConfigError as exc:
+        if fork:
+            from flows.fork import check_fork, preexisting_fork
+            from storage.store import Store
+
+            prefect_env(cfg["storage"]["root"])  # check_fork reads the stage modules (flows.step: Prefect)
+            store = Store.from_config(cfg["storage"])
+            if not preexisting_fork(store, cfg, fork):
+                check_fork(store, cfg, plan, fork)
+    except (ConfigError, LookupError) as exc:
         print(f"error: {exc}")
         return 2
     prefect_env(cfg["storage"]["root"])
@@ -127,7 +142,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool) -> int
 
         try:
             state = train(config=config, overrides=list(overrides), experiment_name=experiment,
-                          force_lock=force_lock, return_state=True)
+                          force_lock=force_lock, return_state=True, **({"fork": fork} if fork else {}))
         except KeyboardInterrupt:
             if server is None or server.died is None:
                 raise

@@ -4,7 +4,8 @@ Rerunning an experiment (same config, `stagerl resume`, `prefect flow-run retry`
 `prefect deployment run`) continues at the first incomplete stage of the first incomplete step:
 complete steps are recognised from their manifests and not re-entered, complete stages of the
 current step end as Cached tasks. A config change that would alter finished work is refused
-(listing the keys); keys that cannot (RESUMABLE_KEYS) may change between runs."""
+(listing the keys); keys that cannot (configs/changes.py RESUMABLE_PREFIXES) may change between
+runs."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ from prefect import flow
 
 from flows.step import (check_stage_deployments, is_retryable, logger, make_context, register_run, rl_step,
                         run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
+from configs.changes import changed_keys, flatten
 from configs.local_paths import check_local_paths
 from configs.memory import check_fits, estimate_memory
 from configs.plan import check_trainable
@@ -27,20 +29,9 @@ from storage.secrets import scrub_override, secret_overrides_from_env
 from stages.session import RunSession
 from storage.artifacts import fingerprint, read_run_json, write_run_json
 from storage.layout import RunLayout
+from storage.lineage import delete_tree
 from storage.lock import ExperimentLock
 from storage.store import Store
-
-# Config keys whose change cannot alter finished work (how long to train, logging, placement).
-RESUMABLE_PREFIXES = (
-    "trainer.logger",
-    "trainer.save_freq", "trainer.test_freq", "trainer.val_before_train", "trainer.val_only",
-    "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
-    "trainer.log_val_generations", "trainer.resume_mode", "trainer.resume_from_path",
-    "trainer.launcher", "trainer.hostfile",
-    "storage.", "orchestration.", "reward.num_workers", "reward.timeout_s",
-    "actor_rollout_ref.actor.optim.total_training_steps", "critic.optim.total_training_steps",
-)
-
 
 class RunConfigChanged(RuntimeError):
     """The experiment exists with finished work and the new config would alter it."""
@@ -56,24 +47,6 @@ def resolve(config: str, overrides: list[str], experiment_name: str | None):
         items.append(f"trainer.experiment_name={experiment_name}")
     cfg = load_config(config, items)
     return cfg, make_plan(cfg)
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in (tree or {}).items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, path + "."))
-        else:
-            out[path] = value
-    return out
-
-
-def changed_keys(old: dict, new: dict) -> list[str]:
-    """Keys whose values differ between two configs, except those that cannot alter finished work."""
-    a, b = flatten(old), flatten(new)
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    return [k for k in keys if not k.startswith(RESUMABLE_PREFIXES)]
 
 
 def has_finished_work(store: Store, layout: RunLayout) -> bool:
@@ -97,7 +70,8 @@ def check_run_json(store: Store, layout: RunLayout, cfg: dict, plan: dict, sourc
                 f"{len(keys)} key(s) that would alter it: {shown}. Run with the original config to "
                 f"resume, or choose a new trainer.experiment_name (experiment_name=...) to start a "
                 f"new run")
-    return write_run_json(store, layout, dict(cfg), extra={"plan": plan, "source": source,
+    kept = {"lineage": old["lineage"]} if old and old.get("lineage") else {}  # a fork's (flows.fork)
+    return write_run_json(store, layout, dict(cfg), extra={"plan": plan, "source": source, **kept,
                                                            "config_fingerprint": fingerprint(clean)})
 
 
@@ -192,8 +166,8 @@ def prune_weights(store: Store, layout: RunLayout, latest: int, cfg: dict) -> li
     trainer = cfg["trainer"]
     doomed = weights_to_delete(list_weights(store, layout), latest, int(trainer["save_freq"]),
                                trainer.get("max_actor_ckpt_to_keep"))
-    for k in doomed:
-        store.delete(layout.weights(k), recursive=True)
+    for k in doomed:  # a fork that references the folder gets a copy first
+        delete_tree(store, layout.weights(k))
     return doomed
 
 
@@ -231,12 +205,18 @@ def validate(run_uri: str, step: int, extra: dict) -> dict | None:
 # ---- the flow -------------------------------------------------------------------------------
 @flow(name="rl-train", log_prints=True)
 def train(config: str = "base", overrides: list[str] = [], experiment_name: str | None = None,
-          force_lock: bool = False) -> dict:
+          force_lock: bool = False, fork: dict | None = None) -> dict:
     """Train (or resume) one experiment: steps over epochs, each a `rl-step` subflow
     (flows.step.run_step_subflow), or with orchestration.step_subflow=false its stage tasks
-    directly in this flow run."""
+    directly in this flow run. With `fork` ({"source": SRC, "at": "STEP:STAGE"}) the experiment
+    is first made a fork of SRC (flows.fork): its config is SRC's followed by `overrides`."""
     forget_inherited_rank_env()
     overrides = list(overrides or []) + secret_overrides_from_env()  # `stagerl train` credentials
+    if fork:
+        from flows.fork import fork_arguments
+
+        fork = {**fork, "overrides": [scrub_override(o) for o in fork.get("overrides") or overrides]}
+        config, overrides = fork_arguments(config, overrides, fork)
     cfg, plan = resolve(config, overrides, experiment_name)
     check_trainable(cfg)
     check_local_paths(cfg)  # a deployment run's worker: its own working directory
@@ -256,6 +236,10 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
     session = RunSession(retries=int(orch.get("storage_retries", 5)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
                          retryable=is_retryable)
     try:
+        if fork:  # NEW references SRC's finished work up to the fork point
+            from flows.fork import create_fork
+
+            create_fork(store, cfg, plan, fork, force_lock)
         check_run_json(store, layout, cfg, plan,
                        {"config": config, "overrides": [scrub_override(o, store.secret_values)
                                                         for o in overrides or []],
@@ -356,13 +340,18 @@ def freeze_heap() -> None:
 def start_rank_pool(cfg: dict, plan: dict):
     """One long-lived group of ranks for the whole run (stages.rank_pool): logprob and update of
     every step reuse it instead of paying a torchrun launch and a DeepSpeed set-up each time. Each
-    rank is a process of the pool and keeps its DeepSpeed engine for the run (stages.update_worker)."""
+    rank is a process of the pool and keeps its DeepSpeed engine for the run (stages.update_worker).
+    With trainer.launcher=deepspeed and a trainer.hostfile the pool's ranks are started once over
+    the hostfile's machines by DeepSpeed's launcher (stages.rank_server's multi-node mode)."""
     world = plan["n_gpus"]
-    if world <= 1 or cfg["orchestration"]["mode"] != "local" or cfg["trainer"].get("launcher") == "deepspeed":
+    trainer = cfg["trainer"]
+    hostfile = trainer.get("hostfile") if trainer.get("launcher") == "deepspeed" else None
+    if world <= 1 or cfg["orchestration"]["mode"] != "local" or (trainer.get("launcher") == "deepspeed"
+                                                                 and hostfile is None):
         return None
     from stages.rank_pool import RankPool
 
-    pool = RankPool(world, str(cfg["trainer"]["device"]),
+    pool = RankPool(world, str(trainer["device"]), hostfile=hostfile,
                     heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"]))
     pool.start(wait=False)  # the ranks start while the first rollout runs; the first job waits
     return pool

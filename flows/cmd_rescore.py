@@ -1,0 +1,147 @@
+"""`stagerl rescore EXP --steps A..B --reward FILE[:FN] [--as NEW [key=value ...]]`: score the
+stored rollouts of steps A..B with another reward function, in the reward stage's scorer
+processes with its per-sample timeout (reward.num_workers, reward.timeout_s, reward.strict of
+EXP's config), and print how the new scores agree with the stored ones: per data source the rows,
+both means and the rows whose score changed (raised, lowered), then examples of each kind.
+Nothing is written. With `--as NEW` the new reward then trains: NEW is a fork of EXP at A:reward
+with custom_reward_function set to FILE:FN (`stagerl fork`)."""
+from flows.inspect_lib import guarded
+
+KINDS = ("raised", "lowered", "unchanged")
+TOLERANCE = 1e-9  # a score that moved less than this counts as unchanged
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("rescore", help="score stored rollouts with another reward function "
+                                              "and compare (--as NEW: train a fork with it)")
+    p.add_argument("experiment", help="EXPERIMENT or PROJECT/EXPERIMENT in the store")
+    p.add_argument("--steps", required=True, metavar="A..B", help="steps to rescore, e.g. 1..2 or 3")
+    p.add_argument("--reward", required=True, metavar="FILE[:FN]",
+                   help="Python file with the reward function (verl's custom_reward_function: "
+                        "FN(data_source, solution_str, ground_truth, extra_info); FN defaults to "
+                        "compute_score)")
+    p.add_argument("--as", dest="as_new", default=None, metavar="NEW",
+                   help="then train NEW: a fork of EXPERIMENT at A:reward with this reward")
+    p.add_argument("--examples", type=int, default=2, help="examples shown of each kind (default 2)")
+    p.add_argument("--root", default=None,
+                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
+                        "or ./runs)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument("overrides", nargs="*", help="with --as: further overrides for NEW")
+    p.set_defaults(func=run, trailing_overrides=True)
+
+
+def parse_steps(text: str) -> list[int]:
+    """'1..3' -> [1, 2, 3]; '2' -> [2]."""
+    first, sep, last = str(text).partition("..")
+    if not first.isdigit() or (sep and not last.isdigit()):
+        raise ValueError(f"--steps {text!r}: give A..B or A (step numbers)")
+    a, b = int(first), int(last) if sep else int(first)
+    if a < 1 or b < a:
+        raise ValueError(f"--steps {text!r}: need 1 <= A <= B")
+    return list(range(a, b + 1))
+
+
+def parse_reward(text: str) -> dict:
+    """'path/to/file.py:fn' -> the reward stage's function spec (absolute path, name)."""
+    import os
+
+    path, sep, name = str(text).rpartition(":")
+    if not sep or not name.isidentifier():  # no ':FN' (or a Windows-like path): the whole is the file
+        path, name = text, "compute_score"
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise ValueError(f"--reward {text!r}: no file {full}")
+    return {"path": full, "name": name, "reward_kwargs": {}}
+
+
+def rescore(view, steps: list, spec: dict) -> list[dict]:
+    """One record per stored row of `steps`: step, row, uid, sample_index, data_source, response,
+    old and new score, the new function's error (if any) and the kind of change."""
+    from stages.reward import scoring_rows
+    from stages.scorer_pool import ScorerPool
+
+    get = view.config_value
+    key = get("data.reward_fn_key", "data_source") or "data_source"
+    workers, timeout = int(get("reward.num_workers", 2)), float(get("reward.timeout_s", 10.0))
+    records = []
+    with ScorerPool(spec, workers, timeout) as pool:  # the reward stage's processes and timeout
+        for step in steps:
+            view.require(step, ["rollout", "reward"])
+            rollout, reward = view.table(step, "rollout"), view.table(step, "reward")
+            results, _ = pool.score(scoring_rows(rollout, key), strict=bool(get("reward.strict", False)))
+            old = reward.column("score").to_pylist()
+            rm = (reward.column("rm_score").to_pylist() if "rm_score" in reward.schema.names
+                  else [None] * len(old))  # a reward model's part stays, as in the reward stage
+            for i, (src, uid, idx, response, result) in enumerate(zip(
+                    rollout.column(key).to_pylist(), rollout.column("uid").to_pylist(),
+                    rollout.column("sample_index").to_pylist(), rollout.column("response").to_pylist(),
+                    results)):
+                new = float(result["score"]) + (rm[i] or 0.0)
+                kind = ("raised" if new > old[i] + TOLERANCE else
+                        "lowered" if new < old[i] - TOLERANCE else "unchanged")
+                records.append({"step": step, "row": i, "uid": uid, "sample_index": idx,
+                                "data_source": src, "response": response, "old": old[i], "new": new,
+                                "error": result.get("error"), "kind": kind})
+    return records
+
+
+def agreement(records: list, examples: int = 2) -> dict:
+    """Per data source and overall: rows, old and new mean, changed (raised + lowered); and up to
+    `examples` rows of each kind."""
+    def summary(rows):
+        n = len(rows)
+        out = {"rows": n, "old_mean": sum(r["old"] for r in rows) / n if n else None,
+               "new_mean": sum(r["new"] for r in rows) / n if n else None,
+               "errors": sum(1 for r in rows if r["error"])}
+        for kind in KINDS:
+            out[kind] = sum(1 for r in rows if r["kind"] == kind)
+        out["changed"] = out["raised"] + out["lowered"]
+        out["agreement"] = out["unchanged"] / n if n else None
+        return out
+
+    sources = sorted({str(r["data_source"]) for r in records})
+    return {"by_source": {s: summary([r for r in records if str(r["data_source"]) == s]) for s in sources},
+            "all": summary(records),
+            "examples": {k: [r for r in records if r["kind"] == k][:examples] for k in KINDS}}
+
+
+def print_agreement(name: str, steps: list, spec: dict, result: dict) -> None:
+    print(f"rescore {name}, steps {steps[0]}..{steps[-1]}: stored score vs {spec['path']}:{spec['name']}")
+    header = ("DATA SOURCE", "ROWS", "OLD MEAN", "NEW MEAN", "CHANGED", "RAISED", "LOWERED", "AGREE", "ERRORS")
+    rows = [header] + [(s, str(v["rows"]), f"{v['old_mean']:.4f}", f"{v['new_mean']:.4f}", str(v["changed"]),
+                        str(v["raised"]), str(v["lowered"]), f"{v['agreement']:.1%}", str(v["errors"]))
+                       for s, v in [*result["by_source"].items(), ("(all)", result["all"])] if v["rows"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for kind in KINDS:
+        for r in result["examples"][kind]:
+            text = str(r["response"]).replace("\n", "\\n")
+            print(f"  {kind:<9} step {r['step']} uid {r['uid']} sample {r['sample_index']}: "
+                  f"{r['old']:g} -> {r['new']:g}  {text[:70]!r}" + (f"  error: {r['error']}" if r["error"] else ""))
+
+
+@guarded
+def run(args) -> int:
+    import json
+
+    from flows.inspect_lib import find_experiment
+    from storage.run_view import RunView
+
+    steps, spec = parse_steps(args.steps), parse_reward(args.reward)
+    store, root, project, experiment = find_experiment(args)
+    view = RunView.open(store, project, experiment)
+    result = agreement(rescore(view, steps, spec), args.examples)
+    if args.json:
+        print(json.dumps({"experiment": view.name, "steps": steps, "reward": spec, **result},
+                         indent=2, default=str))
+    else:
+        print_agreement(view.name, steps, spec, result)
+    if not args.as_new:
+        return 0
+    from flows.cmd_fork import start_fork
+
+    overrides = [f"custom_reward_function.path={spec['path']}",
+                 f"custom_reward_function.name={spec['name']}", *args.overrides]
+    return start_fork(f"{project}/{experiment}", args.as_new, f"{steps[0]}:reward", overrides, root)
