@@ -1,6 +1,8 @@
 """`stagerl query "SQL" --experiment E`: DuckDB over every complete step's parquet (tables rollout,
 logprob, reward, advantage, microbatches, metrics, candidates (DAPO's generated answers), baseline
-(ReMax's greedy answers with their scores); each with `step` and `row`).
+(ReMax's greedy answers with their scores); each with `step`, `row` and `experiment`). With
+several --experiment (a run and its forks) each table holds the rows of all of them, so branches
+compare in one statement (GROUP BY experiment; joins USING (experiment, step, row)).
 `stagerl export EXPERIMENT --format jsonl [--out DIR]`: verl's rollout dump, one {step}.jsonl per
 step (input, output, gts, score, step, reward extras), as trainer.rollout_data_dir writes it."""
 from flows.inspect_lib import add_run_arguments, guarded
@@ -10,7 +12,9 @@ def register(subparsers) -> None:
     q = subparsers.add_parser("query", help="SQL (DuckDB) over a run's parquet: tables rollout, "
                                             "logprob, reward, advantage, microbatches, metrics, candidates, baseline")
     q.add_argument("sql", help='e.g. "SELECT step, avg(score) FROM reward GROUP BY step"')
-    q.add_argument("--experiment", required=True, help="trainer.experiment_name of the run")
+    q.add_argument("--experiment", required=True, action="append",
+                   help="trainer.experiment_name of the run; repeat it to query several runs at "
+                        "once (the tables' `experiment` column tells them apart)")
     add_run_arguments(q, experiment=False)
     q.add_argument("--json", action="store_true", help="print rows as JSON objects")
     q.set_defaults(func=run_query)
@@ -32,9 +36,15 @@ def run_query(args) -> int:
     from flows.inspect_lib import open_view
     from storage.query import run_query as execute
 
-    view = open_view(args)
+    import argparse
+
+    from flows.inspect_lib import load_cli_config
+
+    cfg = load_cli_config(args)
+    names = list(dict.fromkeys(args.experiment))
+    views = [open_view(argparse.Namespace(**{**vars(args), "experiment": name}), cfg) for name in names]
     try:
-        columns, rows = execute(view, args.sql)
+        columns, rows = execute(views[0] if len(views) == 1 else views, args.sql)
     except Exception as exc:  # duckdb's errors (parser, binder, catalog) name the problem
         if type(exc).__module__.startswith("duckdb") or "duckdb" in type(exc).__module__:
             raise ValueError(f"query failed: {exc}") from None

@@ -6,6 +6,8 @@
     microbatch_tokens_step{K:06d}.png    tokens of each micro-batch against the token budget
     microbatch_tokens_logprob_{role}_step{K:06d}.png   the same for the logprob stage's forwards
                                          (actor, ref, critic), from update/microbatches.parquet
+    branches_{A}_{B}....png              `stagerl plot A B ...`: the overview's curves of several
+                                         runs overlaid (a run and its forks), fork points marked
 Every axis gets an x and a y label; `save` refuses a figure with an unlabelled axis."""
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def _pyplot():
 
 
 def axis_labels(fig) -> list:
-    return [{"title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel()}
+    return [{"title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
+             "lines": [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]}
             for ax in fig.get_axes() if ax.get_visible()]
 
 
@@ -44,12 +47,17 @@ def save(view, fig, name: str) -> dict:
     return {"name": name, "key": key, "url": view.store.url(key), "axes": labels}
 
 
-def metrics_figure(view, steps):
-    plt = _pyplot()
+def overview_rows(view, steps) -> list:
     rows = [overview_row(view, s) for s in steps]
     for r, s in zip(rows, steps):  # KL: the update's ppo_kl when the run has no reference
         if r.get("kl") is None and view.manifest(s, "update"):
             r["kl"] = view.update_metrics(s).get("actor/ppo_kl")
+    return rows
+
+
+def metrics_figure(view, steps):
+    plt = _pyplot()
+    rows = overview_rows(view, steps)
     panels = OVER_STEPS + ((("engine_kl", "KL(rollout engine || trainer)"),)  # when the rollout kept its log-probs
                            if any(r.get("engine_kl") is not None for r in rows) else ())
     fig, axes = plt.subplots(len(panels), 1, figsize=(6, 2.2 * len(panels)), sharex=True)
@@ -65,6 +73,36 @@ def metrics_figure(view, steps):
     from matplotlib.ticker import MaxNLocator
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_title(f"{view.name}")
+    return fig
+
+
+def branches_figure(views):
+    """The overview's curves of several runs on shared axes, one line per run; where a run is a
+    fork of another one shown (run.json's lineage), a dotted line marks its fork step."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(OVER_STEPS), 1, figsize=(6, 2.2 * len(OVER_STEPS)), sharex=True)
+    names = {v.name for v in views}
+    for i, view in enumerate(views):  # later runs dashed: where a fork equals its source both show
+        rows = overview_rows(view, [s for s in view.steps() if view.manifest(s, "rollout")])
+        for ax, (key, label) in zip(axes, OVER_STEPS):
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
+                    linestyle="-" if i == 0 else "--", label=view.layout.experiment)
+            ax.set_ylabel(label, fontsize=8)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        lineage = view.lineage
+        if lineage.get("source") in names:
+            for ax in axes:
+                ax.axvline(lineage["step"], color="grey", linestyle=":", linewidth=1,
+                           label=f"_fork {view.layout.experiment}")
+            axes[0].annotate(f"{view.layout.experiment}: fork at {lineage['at']}", (lineage["step"], 1),
+                             xycoords=("data", "axes fraction"), fontsize=7, va="top")
+    axes[0].legend(fontsize=7)
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_title(" vs ".join(v.layout.experiment for v in views))
     return fig
 
 

@@ -1,6 +1,8 @@
 """SQL over a run: every complete step's parquet as DuckDB tables, and verl's rollout dump rows.
 
-Tables (each with `step` and `row`, the row's index in its step, so stages join on (step, row)):
+Tables (each with `step` and `row`, the row's index in its step, so stages join on (step, row),
+and `experiment`, the run's name: over several runs (branches of a fork) they join on
+(experiment, step, row) and compare with GROUP BY experiment):
     rollout, logprob, reward, advantage   one row per rollout row
     microbatches                          update/microbatches.parquet, one row per (rank, micro-batch)
     metrics                               step, source ('update' | 'advantage'), name, value
@@ -11,6 +13,7 @@ Only stages with a manifest count (read through storage.artifacts, checksums ver
 tables are registered as Arrow tables, so a local store and S3 behave the same.
 
     con = connect(view);  con.sql("SELECT step, avg(score) FROM reward GROUP BY step")
+    con = connect([a, b]);  con.sql("SELECT experiment, step, avg(score) FROM reward GROUP BY ALL")
 """
 from __future__ import annotations
 
@@ -23,18 +26,21 @@ TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics"
 _STAGE_OF = {"rollout": "rollout", "logprob": "logprob", "reward": "reward",
              "advantage": "advantage", "microbatches": "update"}
 _METRICS_SCHEMA = pa.schema([("step", pa.int32()), ("source", pa.string()),
-                             ("name", pa.string()), ("value", pa.float64())])
+                             ("name", pa.string()), ("value", pa.float64()),
+                             ("experiment", pa.string())])
 
 
-def _with_keys(table: pa.Table, step: int) -> pa.Table:
+def _with_keys(table: pa.Table, step: int, experiment: str) -> pa.Table:
     n = table.num_rows
     table = table.append_column("step", pa.array([step] * n, pa.int32()))
-    return table.append_column("row", pa.array(range(n), pa.int32()))
+    table = table.append_column("row", pa.array(range(n), pa.int32()))
+    return table.append_column("experiment", pa.array([experiment] * n, pa.string()))
 
 
 def _empty(name: str) -> pa.Table:
     fields = list(SCHEMAS[name].required) + list(SCHEMAS[name].optional)
-    return pa.schema(fields + [("step", pa.int32()), ("row", pa.int32())]).empty_table()
+    return pa.schema(fields + [("step", pa.int32()), ("row", pa.int32()),
+                               ("experiment", pa.string())]).empty_table()
 
 
 def stage_table(view, name: str, steps=None) -> pa.Table:
@@ -49,7 +55,7 @@ def stage_table(view, name: str, steps=None) -> pa.Table:
         raise KeyError(f"no table {name!r}; tables are {', '.join(TABLES)}")
     stage = _STAGE_OF[name]
     chosen = view.complete_steps([stage]) if steps is None else steps
-    parts = [_with_keys(view.table(step, stage), step) for step in chosen
+    parts = [_with_keys(view.table(step, stage), step, view.layout.experiment) for step in chosen
              if view.manifest(step, stage) is not None]
     if not parts:
         return _empty(name)
@@ -65,7 +71,7 @@ def candidates_table(view, steps=None) -> pa.Table:
     for step in (view.complete_steps(["rollout"]) if steps is None else steps):
         manifest = view.manifest(step, "rollout")
         if manifest is not None and name in manifest.get("files", {}):
-            parts.append(_with_keys(read_file(view.store, view.layout, step, "rollout", name), step))
+            parts.append(_with_keys(read_file(view.store, view.layout, step, "rollout", name), step, view.layout.experiment))
     return pa.concat_tables(parts) if parts else _empty("rollout_candidates")
 
 
@@ -80,7 +86,7 @@ def baseline_table(view, steps=None) -> pa.Table:
         manifest = view.manifest(step, "rollout")
         if manifest is None or answers not in manifest.get("files", {}):
             continue
-        table = _with_keys(read_file(view.store, view.layout, step, "rollout", answers), step)
+        table = _with_keys(read_file(view.store, view.layout, step, "rollout", answers), step, view.layout.experiment)
         scored = view.manifest(step, "reward")
         by_uid = {}
         if scored is not None and scores in scored.get("files", {}):
@@ -97,7 +103,7 @@ def baseline_table(view, steps=None) -> pa.Table:
 
 
 def metrics_table(view, steps=None) -> pa.Table:
-    rows = {"step": [], "source": [], "name": [], "value": []}
+    rows = {"step": [], "source": [], "name": [], "value": [], "experiment": []}
     for step in (view.steps() if steps is None else steps):
         for source, metrics in (("update", view.update_metrics(step)),
                                 ("advantage", view.data_metrics(step))):
@@ -106,16 +112,20 @@ def metrics_table(view, steps=None) -> pa.Table:
                 rows["source"].append(source)
                 rows["name"].append(key)
                 rows["value"].append(value)
+                rows["experiment"].append(view.layout.experiment)
     return pa.table(rows, schema=_METRICS_SCHEMA)
 
 
-def connect(view, tables=TABLES):
-    """An in-memory DuckDB connection with the run's tables registered."""
+def connect(views, tables=TABLES):
+    """An in-memory DuckDB connection with the tables of a run (a view) or of several runs (a
+    list of views: each table holds all their rows, told apart by `experiment`)."""
     import duckdb
 
+    views = views if isinstance(views, (list, tuple)) else [views]
     con = duckdb.connect(":memory:")
     for name in tables:
-        con.register(name, stage_table(view, name))
+        parts = [stage_table(view, name) for view in views]
+        con.register(name, parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="permissive"))
     return con
 
 
@@ -127,9 +137,9 @@ def tables_in(sql: str) -> list:
     return [t for t in TABLES if t in words]
 
 
-def run_query(view, sql: str):
-    """(column names, rows as tuples) of `sql` over the run."""
-    con = connect(view, tables_in(sql) or TABLES)
+def run_query(views, sql: str):
+    """(column names, rows as tuples) of `sql` over the run (or the list of runs)."""
+    con = connect(views, tables_in(sql) or TABLES)
     try:
         result = con.execute(sql)
         columns = [d[0] for d in result.description or []]

@@ -81,6 +81,11 @@ class RunView:
     def config(self) -> dict:
         return (self._run_json or {}).get("config") or {}
 
+    @property
+    def lineage(self) -> dict:
+        """A fork's source and fork point (run.json's lineage, flows/fork.py); {} otherwise."""
+        return (self._run_json or {}).get("lineage") or {}
+
     def config_value(self, path: str, default=None):
         node = self.config
         for part in path.split("."):
