@@ -3,6 +3,7 @@ with one persistent rank pool (stages.rank_pool) vs a torchrun launch per call, 
 Prints JSON and writes bench/results/launch.json.
 
     python bench/launch.py [--steps 3] [--small]
+    python bench/launch.py --hostfile H --store s3://... --model DIR    # across hosts: launch_multinode.json
 
 Sizes are the CPU default's (configs/tiny-cpu.yaml: 60 prompts x n=12 = 720 rows, prompt <= 64,
 response <= 32 tokens, 2 ranks) on hand-made inputs (tests/_update_inputs.py); --small uses the
@@ -68,7 +69,13 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="the tests' 8 rows instead of the CPU default's 720")
+    ap.add_argument("--hostfile", help="multi-node: DeepSpeed's launcher over this hostfile (one rank per "
+                    "host, 2 hosts) for both the per-call launches and the pool; needs --store and --model")
+    ap.add_argument("--store", help="the store both runs write to (s3://...: every host reaches it)")
+    ap.add_argument("--model", help="the tiny model folder, at the same path on every host")
     args = ap.parse_args(argv)
+    if args.hostfile:
+        return main_multinode(args)
     from _pool_steps import run_steps
     from stages.rank_pool import RankPool
     from stages.tiny_model import save_tiny_model
@@ -89,6 +96,44 @@ def main(argv=None) -> dict:
               "goal": {"overhead_fraction": 0.10}}
     out = REPO / "bench" / "results" / "launch.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def main_multinode(args) -> dict:
+    """The same comparison across machines (tests/cluster/run_cluster.py --bench-launch runs it on
+    network-namespace hosts): per-call DeepSpeed launches over the hostfile (pdsh, ssh) vs one
+    multi-node rank pool started once; the two runs' final weights must be identical."""
+    from _pool_steps import run_steps
+    from stages.rank_pool import RankPool
+    from storage.weights import folder_manifest
+
+    sizes = ([] if args.small else DEFAULT_SIZES) + [
+        "trainer.launcher=deepspeed", f"trainer.hostfile={args.hostfile}", "trainer.nnodes=2", "trainer.n_gpus_per_node=1"]
+    with tempfile.TemporaryDirectory(prefix="stagerl-bench-launch-") as d:
+        tmp = Path(d)
+
+        def steps(name, pool=None):
+            return run_steps(tmp / name, Path(args.model), args.steps,
+                             sizes + [f"storage.root={args.store}/{name}", f"storage.cache_dir={tmp / 'cache'}"], pool=pool)
+
+        launched_runs = steps("launch")
+        launched = step_rows(launched_runs)
+        t0 = time.perf_counter()
+        with RankPool(2, "cpu", hostfile=args.hostfile) as pool:
+            start_s = time.perf_counter() - t0
+            pooled_runs = steps("pool", pool)
+            pooled = step_rows(pooled_runs)
+        sums = [folder_manifest(r[-1]["ctx"].store, r[-1]["ctx"].layout.weights(args.steps))["checksum"]
+                for r in (launched_runs, pooled_runs)]
+    per_call, pool_sum = summary(launched), summary(pooled, start_s)
+    result = {"world": 2, "hosts": 2, "hostfile": Path(args.hostfile).read_text().split("\n")[:2],
+              "rows_per_step": 8 if args.small else 720, "steps": args.steps,
+              "per_call_launch": per_call, "rank_pool": {"pool_start_s": round(start_s, 3), **pool_sum},
+              "overhead_saved_per_step_s": round(per_call["mean_overhead_s"] - pool_sum["mean_overhead_s"], 3),
+              "final_weights_identical": sums[0] == sums[1]}
+    out = REPO / "bench" / "results" / "launch_multinode.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return result

@@ -5,9 +5,10 @@
 - world == 1: called in this process (a launch costs 6-13 s on CPU; single-rank jobs skip it).
   `init_distributed` then makes a one-process group on a free port if a rank needs one.
 - world > 1 with a rank pool of that world and device in the context's session
-  (`ctx.session.rank_pool`, stages.session) and trainer.launcher=torchrun: the job is submitted to
-  the pool's long-lived ranks (no launch, no re-import, the update engine kept between steps).
-  The pool is single-node only.
+  (`ctx.session.rank_pool`, stages.session), started as trainer.launcher says (torchrun: on this
+  machine; deepspeed: over the same trainer.hostfile, its ranks on several machines): the job is
+  submitted to the pool's long-lived ranks (no launch, no re-import, the update engine kept
+  between steps).
 - world > 1 otherwise, by trainer.launcher (read from the StageContext, or passed in):
   * torchrun (one machine):
         python -m torch.distributed.run --standalone --nproc_per_node=W \\
@@ -72,13 +73,15 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     hostfile = hostfile if hostfile is not None else _ctx_value(ctx, "trainer.hostfile")
     if launcher not in LAUNCHERS:
         raise ValueError(f"trainer.launcher={launcher!r} is not one of {list(LAUNCHERS)}")
-    if launcher == "torchrun":
-        if hostfile is not None:
-            raise ValueError(f"trainer.hostfile={hostfile} is read by DeepSpeed's launcher only; "
-                             f"set trainer.launcher=deepspeed")
-        pool = getattr(getattr(ctx, "session", None), "rank_pool", None)
-        if pool is not None and pool.world == world and pool.device == str(device):
-            return pool.submit(module, ctx, timeout_s=timeout_s)
+    if launcher == "torchrun" and hostfile is not None:
+        raise ValueError(f"trainer.hostfile={hostfile} is read by DeepSpeed's launcher only; "
+                         f"set trainer.launcher=deepspeed")
+    pool = getattr(getattr(ctx, "session", None), "rank_pool", None)
+    pool_hostfile = getattr(pool, "hostfile", None)
+    if (pool is not None and pool.world == world and pool.device == str(device)
+            and (pool_hostfile is None if launcher == "torchrun" else
+                 pool_hostfile is not None and str(pool_hostfile) == str(hostfile))):
+        return pool.submit(module, ctx, timeout_s=timeout_s)
     with tempfile.TemporaryDirectory(prefix=scratch_prefix("ranks")) as tmp_name:
         tmp = Path(tmp_name)
         ctx_file = tmp / "ctx.json"
@@ -266,10 +269,14 @@ def forget_inherited_rank_env() -> None:
             os.environ.pop(name, None)
 
 
-def init_distributed(device: str = "cpu"):
+def init_distributed(device: str = "cpu", timeout_s: float | None = None):
     """Initialise torch.distributed for this rank (gloo on CPU, nccl on CUDA), once. Inside a
     torchrun/deepspeed launch the env (RANK, WORLD_SIZE, MASTER_*) is already set; in-process
-    (world 1) a one-process group on a free local port is made. Returns (rank, world)."""
+    (world 1) a one-process group on a free local port is made. `timeout_s`: the collectives'
+    timeout (None: torch's default; a multi-node rank pool's idle ranks wait in one).
+    Returns (rank, world)."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -284,7 +291,8 @@ def init_distributed(device: str = "cpu"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     for attempt in range(4):
         try:
-            dist.init_process_group(backend="nccl" if cuda else "gloo")
+            extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+            dist.init_process_group(backend="nccl" if cuda else "gloo", **extra)
             break
         except dist.DistNetworkError as e:  # our own port taken between the check and the bind: take another
             if not own_port or "EADDRINUSE" not in str(e) or attempt == 3:

@@ -45,10 +45,11 @@ ERROR_TAIL = 4000
 
 class RankPool:
     def __init__(self, world: int, device: str = "cpu", work_dir=None, start_timeout_s: float = 600,
-                 grace_s: float = 30.0, heartbeat_timeout_s: float = 60.0):
+                 grace_s: float = 30.0, heartbeat_timeout_s: float = 60.0, hostfile=None):
         if world < 2:
             raise ValueError(f"a rank pool needs world >= 2 (world 1 runs in-process), got {world}")
         self.world, self.device = int(world), str(device)
+        self.hostfile = hostfile  # None: torchrun on this machine; else DeepSpeed's launcher over it
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir) if work_dir else scratch_dir("pool")
         self.start_timeout_s, self.grace_s = start_timeout_s, grace_s
@@ -64,7 +65,7 @@ class RankPool:
     def attach(cls, work_dir) -> "RankPool":
         """A client of a pool started by another process (submit only; no restart, no close)."""
         info = json.loads((Path(work_dir) / "pool.json").read_text())
-        pool = cls(info["world"], info["device"], work_dir)
+        pool = cls(info["world"], info["device"], work_dir, hostfile=info.get("hostfile"))
         pool.owner, pool._own_dir, pool._pid = False, False, info["pid"]
         return pool
 
@@ -88,8 +89,14 @@ class RankPool:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for f in [*self.work_dir.glob("ready_*"), *self.work_dir.glob("heartbeat_*"), self.work_dir / "stop"]:
             f.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}",
-               "-m", "stages.rank_server", str(self.work_dir), self.device, str(os.getpid())]
+        server = ["stages.rank_server", str(self.work_dir), self.device, str(os.getpid())]
+        if self.hostfile is not None:  # pdsh over ssh on every host of the hostfile (stages.launch)
+            from stages.launch import deepspeed_command
+
+            cmd = deepspeed_command(server + ["--multi-node"], self.world, self.hostfile, self.work_dir, free_port())
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}",
+                   "-m"] + server
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = "1"
         env["MASTER_PORT"] = str(free_port())
@@ -105,8 +112,9 @@ class RankPool:
             out.close()
             err.close()
         self.starts += 1
+        self._err_offset = (self.work_dir / "stderr.txt").stat().st_size
         (self.work_dir / "pool.json").write_text(json.dumps(
-            {"pid": self.proc.pid, "world": self.world, "device": self.device}))
+            {"pid": self.proc.pid, "world": self.world, "device": self.device, "hostfile": self.hostfile}))
         _OPEN.add(self)
         self._started_at = time.monotonic()
         if wait:
@@ -135,9 +143,15 @@ class RankPool:
         return self.proc is not None and self.proc.poll() is None
 
     def rank_pids(self) -> list[int]:
-        """PIDs of the rank processes (from their ready files)."""
-        return [int((self.work_dir / f"ready_{r}").read_text()) for r in range(self.world)
-                if (self.work_dir / f"ready_{r}").exists()]
+        """PIDs of the rank processes on this machine (from their ready files; a rank on another
+        machine of a multi-node pool has "remote HOST PID" there)."""
+        pids = []
+        for r in range(self.world):
+            path = self.work_dir / f"ready_{r}"
+            text = path.read_text().strip() if path.exists() else ""
+            if text.isdigit() and int(text) > 1:
+                pids.append(int(text))
+        return pids
 
     def close(self, timeout_s: float = 30) -> None:
         """Stop the ranks (stop file, then the process group) and remove a work dir made here."""
@@ -233,27 +247,49 @@ class RankPool:
             if any(e.exists() for e in errors) and first_error is None:
                 first_error = time.monotonic()
             stuck = first_error is not None and time.monotonic() - first_error > self.grace_s
-            dead = not self.alive()
             late = time.monotonic() > deadline
-            frozen = None
+            frozen = lost = None
             if time.monotonic() - last_beat_check > 1.0:
-                frozen, last_beat_check = self.frozen_rank(), time.monotonic()
+                frozen, lost, last_beat_check = self.frozen_rank(), self.lost_host(), time.monotonic()
+            dead = not self.alive() or lost
             if stuck or dead or late or frozen:
                 why = ("a rank failed and the others did not finish within "
                        f"{self.grace_s} s (waiting in a collective?)" if stuck else
-                       "a rank process died" if dead else frozen if frozen else
+                       lost if lost else "a rank process died" if dead else frozen if frozen else
                        f"the job did not finish in {timeout_s} s")
                 detail = self._error_detail(errors)
                 if self.owner:
                     self._stop_process()  # the next submit starts a fresh pool
-                raise RuntimeError(f"{module} on the rank pool ({self.world} ranks): {why}; the pool was "
-                                   f"stopped and restarts on the next job.\n{detail}"
-                                   f"--- pool stderr tail ---\n{self._stderr_tail()}")
+                message = (f"{module} on the rank pool ({self.world} ranks): {why}; the pool was "
+                           f"stopped and restarts on the next job.\n{detail}"
+                           f"--- pool stderr tail ---\n{self._stderr_tail()}")
+                if self.hostfile is None or (lost and "exit code 255" in lost):
+                    raise RuntimeError(message)
+                from stages.launch import relayed_errors  # a rank's storage error elsewhere stays retryable
+
+                raise job_error(message, [e.read_text() for e in errors if e.exists()] +
+                                relayed_errors(self.work_dir / "stderr.txt"))
             time.sleep(0.005)
         if any(e.exists() for e in errors):
             raise job_error(f"{module} failed on the rank pool ({self.world} ranks).\n{self._error_detail(errors)}",
                             [e.read_text() for e in errors if e.exists()])
         return [json.loads(res.read_text()) for res in results]
+
+    def lost_host(self) -> str | None:
+        """A multi-node pool: the host whose pdsh session ended with an error since the start."""
+        if self.hostfile is None:
+            return None
+        from stages.launch import PDSH_EXIT
+
+        path = self.work_dir / "stderr.txt"
+        if not path.exists():
+            return None
+        with path.open("rb") as f:
+            f.seek(getattr(self, "_err_offset", 0))
+            found = PDSH_EXIT.search(f.read().decode(errors="replace"))
+        if found and int(found.group(2)) != 0:
+            return f"host {found.group(1)}'s ranks ended (pdsh: ssh exited with exit code {found.group(2)})"
+        return None
 
     def frozen_rank(self) -> str | None:
         """Why a rank counts as frozen (its heartbeat older than heartbeat_timeout_s), or None."""

@@ -1,6 +1,10 @@
 """One rank of a persistent rank pool (stages.rank_pool.RankPool starts it under torchrun):
 
     python -m torch.distributed.run --standalone --nproc_per_node=W -m stages.rank_server <work_dir> <device> <owner_pid>
+    deepspeed --hostfile H ... --module stages.rank_server <work_dir> <device> <owner_pid> --multi-node
+
+With --multi-node (a pool over a hostfile) ranks on machines that do not see work_dir are served
+by the leader through collectives (serve_multi); when every rank sees it, as below.
 
 Each rank initialises the process group once (gloo on CPU, nccl on CUDA), writes ready_<rank>,
 then serves jobs in order: job_<id>.json in work_dir (written atomically by the client) holds
@@ -46,13 +50,21 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def serve(work: Path, device: str, owner_pid: int) -> int:
+def serve(work: Path, device: str, owner_pid: int, multi_node: bool = False) -> int:
     from stages.launch import destroy_distributed, init_distributed
-    from stages.rank_entry import run_job
+    from stages.rank_entry import launcher_ranks, run_job
     from stages.session import RunSession
 
     session = RunSession()  # what stages keep in this rank between jobs (the update's engines)
-    rank, world = init_distributed(device)
+    rank, world = init_distributed(device, timeout_s=IDLE_TIMEOUT_S if multi_node else None)
+    if multi_node:
+        sees = launcher_ranks(work.is_dir())
+        if not all(sees):  # ranks on other machines: see serve_multi
+            try:
+                return serve_multi(work, device, owner_pid, rank, world, sees, session)
+            finally:
+                session.close()
+                destroy_distributed()
     next_file = work / "next_id"  # read before "ready": the client writes it only once all are ready
     job_id = int(next_file.read_text()) if next_file.exists() else 0
     _start_heartbeat(work / f"heartbeat_{rank}")
@@ -92,6 +104,85 @@ def serve(work: Path, device: str, owner_pid: int) -> int:
     finally:
         session.close()
         destroy_distributed()
+
+
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # a multi-node pool's idle ranks wait in a broadcast this long at most
+
+
+def serve_multi(work: Path, device: str, owner_pid: int, rank: int, world: int, sees: list, session) -> int:
+    """The pool's ranks on several machines (DeepSpeed's launcher over a hostfile): only the
+    ranks on the pool's machine see work_dir. The leader (the lowest of them) polls it and sends
+    each job (or "stop", when the stop file appears or the owner is gone) to every rank with a
+    broadcast; every rank runs it; the leader gathers the results and writes every rank's result
+    file, the ready files (a rank elsewhere: "remote HOST PID") and heartbeats for all. A job
+    that fails on a rank ends that rank's process after its traceback is written (error file
+    on the pool's machine) or printed (relayed by pdsh): the launch then ends on that host and
+    the client stops the pool and starts a fresh one on its next job."""
+    import socket
+
+    import torch.distributed as dist
+
+    from stages.rank_entry import run_job
+
+    leader = sees.index(True)
+    here = [None] * world
+    dist.all_gather_object(here, f"{socket.gethostname()} {os.getpid()}")
+    job_id = 0
+    if rank == leader:
+        next_file = work / "next_id"
+        job_id = int(next_file.read_text()) if next_file.exists() else 0
+        for r in range(world):
+            _start_heartbeat(work / f"heartbeat_{r}")
+        for r in range(world):
+            _write_atomic(work / f"ready_{r}", str(os.getpid()) if r == rank else
+                          (here[r].split()[1] if sees[r] else f"remote {here[r]}"))
+    _preload()
+    while True:
+        box = [None]
+        if rank == leader:
+            box[0] = _next_job(work, job_id, owner_pid)
+        dist.broadcast_object_list(box, src=leader)
+        job = box[0]
+        if job == "stop":
+            return 0
+        try:
+            payload = {**job["payload"], "ranks_on_launcher": sees}
+            result = run_job(job["module"], payload, rank, world, session)
+        except BaseException:  # noqa: BLE001 - reported, then this rank's process ends
+            text = traceback.format_exc()
+            if sees[rank]:
+                _write_atomic(work / f"error_{job_id}_{rank}.txt", text)
+            print(f"stagerl rank {rank} of {world} ({job['module']}) failed:\n{text}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+        results = [None] * world if rank == leader else None
+        dist.gather_object(result, results, dst=leader)
+        if rank == leader:
+            for r, res in enumerate(results):
+                _write_atomic(work / f"result_{job_id}_{r}.json", json.dumps(res))
+        result = results = job = None
+        sys.stdout.flush()
+        gc.collect()
+        gc.freeze()
+        _empty_device_cache(device)
+        job_id += 1
+
+
+def _next_job(work: Path, job_id: int, owner_pid: int):
+    """The leader's wait for job_<id>.json ({"module", "payload"}), or "stop"."""
+    last_owner_check = time.monotonic()
+    while True:
+        job_file = work / f"job_{job_id}.json"
+        if job_file.exists():
+            return json.loads(job_file.read_text())
+        if (work / "stop").exists():
+            return "stop"
+        if time.monotonic() - last_owner_check > 1.0:
+            if not _owner_alive(owner_pid):
+                print(f"rank pool: owner process {owner_pid} is gone; the ranks exit", file=sys.stderr, flush=True)
+                return "stop"
+            last_owner_check = time.monotonic()
+        time.sleep(POLL_S)
 
 
 def _start_heartbeat(path: Path) -> None:
@@ -135,11 +226,13 @@ def _empty_device_cache(device: str) -> None:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
+    multi = "--multi-node" in argv
+    argv = [a for a in argv if a != "--multi-node"]
     if len(argv) != 3:
-        print("usage: python -m stages.rank_server <work_dir> <device> <owner_pid>", file=sys.stderr)
+        print("usage: python -m stages.rank_server <work_dir> <device> <owner_pid> [--multi-node]", file=sys.stderr)
         return 2
-    return serve(Path(argv[0]), argv[1], int(argv[2]))
+    return serve(Path(argv[0]), argv[1], int(argv[2]), multi_node=multi)
 
 
 if __name__ == "__main__":

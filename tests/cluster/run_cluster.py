@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keep-logs", help="copy the hosts' logs into this folder before the hosts go")
     parser.add_argument("--no-faults", action="store_true", help="only the clean run and its comparison")
+    parser.add_argument("--bench-launch", action="store_true", help="instead of the runs: bench/launch.py on "
+                        "trn1 over trn1+trn2 (per-call DeepSpeed launches vs a multi-node rank pool)")
     args = parser.parse_args(argv)
     reason = ensure_tools()
     if reason:
@@ -172,6 +174,15 @@ def main(argv=None) -> int:
     with Cluster(HOSTS) as cluster:
         try:
             image = bring_up(cluster)
+            if args.bench_launch:
+                bench = cluster["trn1"].run([sys.executable, REPO / "bench" / "launch.py", "--hostfile",
+                                             image / "hostfile", "--store", f"s3://{BUCKET}/bench-launch",
+                                             "--model", image / "model", "--steps", "3"],
+                                            env=host_env(cluster), cwd=REPO, timeout=1200, check=False)
+                say(f"bench/launch.py across trn1+trn2 (exit code {bench.returncode}):\n{bench.stdout[-3000:]}")
+                if bench.returncode != 0 or '"final_weights_identical": true' not in bench.stdout:
+                    failures.append(f"the multi-node launch bench failed:\n{bench.stderr[-3000:]}")
+                return finish(failures)
             say("single-host reference on ctl (stagerl train, 2 ranks in its rank pool), beside the cluster "
                 "run: prefect deployment run 'rl-train/tiny-cpu' --watch")
             ref = cluster["ctl"].spawn([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu",
@@ -201,6 +212,10 @@ def main(argv=None) -> int:
         finally:
             if args.keep_logs:
                 shutil.copytree(cluster.base / "logs", args.keep_logs, dirs_exist_ok=True)
+    return finish(failures)
+
+
+def finish(failures: list) -> int:
     for f in failures:
         print(f"FAILED: {f}", flush=True)
     print(f"cluster-test: {'passed' if not failures else 'failed'} in {time.time() - T0:.0f} s", flush=True)
