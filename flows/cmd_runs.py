@@ -96,4 +96,5 @@ def _lineage(row: dict) -> str:
     if source.split("/")[0] == row["project"]:
         source = source.split("/", 1)[-1]
     shown = [o for o in lineage.get("overrides") or [] if not o.startswith("storage.")]
-    return f"{source} @ {lineage.get('at')}" + (f" ({' '.join(shown)})" if shown else "")
+    text = f"{source} @ {lineage.get('at')}" + (f" ({' '.join(shown)})" if shown else "")
+    return text if len(text) <= 96 else text[:93] + "..."  # `stagerl runs --json` has all of it
