@@ -11,7 +11,9 @@ exponential backoff (orchestration.storage_retries, orchestration.retry_delay_s)
 bad config and bad input (ConfigError, ValueError incl. SchemaError, missing files) fail at once.
 With orchestration.mode=deployments rollout and update run as `rl-stage/*` deployments through
 run_deployment, and logprob (the other N-rank stage: its ranks run where the update's do, e.g. a
-DeepSpeed launch over the training nodes' hostfile) on the update deployment; the parameters are
+DeepSpeed launch over the training nodes' hostfile) on the update deployment when it has passes to
+run (stages.logprob.runs_on_ranks; else it runs here and the update's job gives the old
+log-probs); the parameters are
 still only the URI, the stage, the step and `extra`. A stage flow that fails says on which host."""
 from __future__ import annotations
 
@@ -254,8 +256,10 @@ def rl_step(run_uri: str, step: int, extra: dict | None = None, publish: bool = 
     With background_publish and a run session in this process, the step's Prefect artifacts are
     written by the session's publisher thread (attached to this flow run) while the caller goes
     on; closing the session waits for them."""
-    cfg, _, _ = open_run(run_uri)
+    cfg, plan, _ = open_run(run_uri)
     remote = check_stage_deployments(cfg)
+    if "logprob" in remote and not getattr(stage_module("logprob"), "runs_on_ranks", lambda p: True)(plan):
+        remote.pop("logprob")  # no pass to run on ranks: the old log-probs come with the update
     run_task = stage_task.with_options(**retry_options(cfg))
     session = _SESSIONS.get(run_uri)
     publisher = step_report.background_publisher(session) if background_publish and session else None

@@ -226,6 +226,13 @@ def micro_batch_records(mine, seqlens, micro) -> dict:
             "padded_tokens": [x["padded_tokens"] for x in loads]}
 
 
+def runs_on_ranks(plan) -> bool:
+    """Whether the stage runs forward passes on the plan's ranks (else it only writes each row's
+    rank: the old log-probs come from the update's own forward). flows/step.py places logprob
+    with the update's deployment only then."""
+    return bool(_roles(plan))
+
+
 def _roles(plan) -> list[str]:
     """The forward passes this step needs: actor (old log-probs, unless the update's own forward
     replaces them: plan rollout.old_log_prob_pass), ref (with KL), critic (values)."""

@@ -3,7 +3,7 @@
 1. the inf host crashes mid-rollout (every process of it SIGKILLed: its worker and the rollout's
    flow run): the training flow run fails within orchestration.stage_heartbeat_timeout_s naming
    inf and the rollout; inf boots again with its worker, `prefect flow-run retry` resumes;
-2. during the retried run's logprob an S3 outage of 15 s (the proxy in front of the store resets
+2. during the retried run's rollout an S3 outage of 15 s (the proxy in front of the store resets
    and refuses every connection): survived by the stages' storage retries;
 3. trn2's rank is SIGKILLed mid-update and trn2's link goes down: the run fails naming trn2 and the
    update (ssh's ServerAlive or the stage heartbeat, whichever notices first); the link comes
@@ -88,7 +88,8 @@ def run_faults(cluster, params: dict, root: str, heartbeat_s: float, say) -> dic
     problems, timings = [], {}
     run_id = start_run(cluster, params)
     say(f"faults: flow run {run_id} started; waiting for step 1's rollout on inf")
-    if probe(cluster, "object", root, f"{base}/_live/000001/rollout.json", 240, timeout=240) is None:
+    beat = probe(cluster, "object", root, f"{base}/_live/000001/rollout.json", 240, timeout=240)
+    if beat is None:
         raise RuntimeError("the rollout of step 1 never sent a heartbeat")
     time.sleep(1.0)
     cluster["inf"].crash()
@@ -103,11 +104,12 @@ def run_faults(cluster, params: dict, root: str, heartbeat_s: float, say) -> dic
         raise RuntimeError("the rebooted inf's worker did not come back")
     say("faults: inf is back with its worker; prefect flow-run retry")
     prefect(cluster, "flow-run", "retry", run_id)
-    if probe(cluster, "object", root, f"{base}/_live/000001/logprob.json", 240, timeout=240) is None:
-        raise RuntimeError("the logprob of step 1 never sent a heartbeat")
+    if probe(cluster, "object", root, f"{base}/_live/000001/rollout.json", 240, beat["flow_run_id"],
+             timeout=240) is None:
+        raise RuntimeError("the retried rollout of step 1 never sent a heartbeat")
     outage_control(cluster).write_text("")
     t_outage = time.time()
-    say(f"faults: S3 outage of {OUTAGE_S:.0f} s started during step 1's logprob")
+    say(f"faults: S3 outage of {OUTAGE_S:.0f} s started during the retried rollout of step 1")
     trn2 = cluster["trn2"]
     # a rank: `python -u -m stages.rank_entry stages.update_worker ...` (its launcher has --module instead)
     rank = wait_for("trn2's update rank", lambda: host_processes(trn2, r" -u -m stages\.rank_entry stages\.update_worker"),
@@ -133,5 +135,9 @@ def run_faults(cluster, params: dict, root: str, heartbeat_s: float, say) -> dic
         problems.append(f"the retried run did not complete: {end}")
     outages = [line for line in (cluster.base / "logs" / "ctl-s3-proxy.log").read_text().splitlines()
                if line.startswith("outage")]
-    say(f"faults: the S3 proxy's log: {'; '.join(outages)}")
+    retried = [line.strip() for line in (cluster.base / "logs" / "inf-worker.log").read_text(errors="replace")
+               .splitlines() if "Retry " in line and "will start" in line]  # Prefect's task retry
+    say(f"faults: the S3 proxy's log: {'; '.join(outages)}; inf's worker: {retried[:1]}")
+    if not retried:
+        problems.append("no storage retry on inf during the outage (did it meet the rollout?)")
     return {"problems": problems, "timings": timings, "run_id": run_id}

@@ -1,6 +1,7 @@
 """Run on a cluster host (it reaches S3 and the Prefect API): wait for something, print it as JSON.
 
-    python tests/cluster/probe.py object ROOT KEY TIMEOUT_S        # until the store has KEY
+    python tests/cluster/probe.py object ROOT KEY TIMEOUT_S [NOT_RUN]   # until the store has KEY (a
+                                                                       # heartbeat of another flow run than NOT_RUN)
     python tests/cluster/probe.py flow-run ID TIMEOUT_S            # until the flow run is final
     python tests/cluster/probe.py worker NAME TIMEOUT_S            # until the worker's heartbeat is newer than now
 
@@ -14,16 +15,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def wait_object(root: str, key: str, timeout: float) -> int:
+def wait_object(root: str, key: str, timeout: float, not_run: str | None = None) -> int:
     from storage.store import Store
 
     store, deadline = Store.from_config({"root": root}), time.time() + timeout
     while time.time() < deadline:
         try:
-            print(json.dumps(store.read_json(key)))
-            return 0
+            doc = store.read_json(key)
+            if not_run is None or doc.get("flow_run_id") != not_run:
+                print(json.dumps(doc))
+                return 0
         except Exception:  # noqa: BLE001 - not there yet (or the store is down): keep waiting
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     return 1
 
 
@@ -60,7 +64,7 @@ def wait_worker(name: str, timeout: float) -> int:
 def main() -> int:
     kind, args = sys.argv[1], sys.argv[2:]
     if kind == "object":
-        return wait_object(args[0], args[1], float(args[2]))
+        return wait_object(args[0], args[1], float(args[2]), args[3] if len(args) > 3 else None)
     if kind == "flow-run":
         return wait_flow_run(args[0], float(args[1]))
     if kind == "worker":

@@ -6,8 +6,11 @@ Four hosts (tests/cluster/hosts.py: own network stack, hostname, PIDs, HOME and 
 checkout and venv shared like an image; the only data path between them the S3 endpoint):
 ctl (Prefect server, S3, the `cpu` worker that runs rl-train), inf (pool `inference`), trn1 and
 trn2 (sshd, pool `training`). A 2-step tiny-CPU run in orchestration.mode=deployments is started
-with `prefect deployment run`: rollout on inf, logprob and update each one DeepSpeed job over
-trn1+trn2 (trainer.launcher=deepspeed, a hostfile, gloo). The script prints the placement every
+with `prefect deployment run`: rollout on inf, the update one DeepSpeed job over trn1+trn2
+(trainer.launcher=deepspeed, a hostfile, gloo) whose first forward also gives the old log-probs
+(GRPO on-policy without KL, verl's path: the logprob stage runs no pass, so it stays in the
+driver; with a pass it runs as a DeepSpeed job on the training pool too, as bench/launch.py
+--hostfile shows across these hosts). The script prints the placement every
 manifest records (the stage's host, each rank's host) and checks the final weights against a
 single-host run of the same config on ctl (2 ranks in its rank pool): bit-identical (with 2
 ranks an all-reduce is one addition, a + b == b + a exactly, whatever the order of the hosts).
@@ -78,13 +81,15 @@ def write_image(cluster) -> Path:
 
 
 def overrides(image: Path, steps: int = 2) -> list[str]:
-    """A small GRPO run with the KL loss (so logprob runs a reference pass on the ranks). Storage
-    retries after 1, 2, 4, 8, 16 s ride out a 15 s outage; a stage flow silent for 15 s is lost."""
+    """A small on-policy GRPO run without KL: one mini-batch, so the update's own forward gives the
+    old log-probs and logprob and update are one DeepSpeed job. Storage retries after 1, 2, 4, 8,
+    16 s ride out a 15 s outage; a stage flow silent for 15 s is lost."""
     return ["warmstart.enable=false", "actor_rollout_ref.rollout.name=hf", "trainer.val_before_train=false",
             "trainer.test_freq=-1", f"data.train_files={image}/train.parquet", f"data.val_files={image}/test.parquet",
             f"actor_rollout_ref.model.path={image}/model", f"storage.root={ROOT}",
             "data.train_batch_size=4", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.rollout.hf_generate_batch_size=8", f"trainer.total_training_steps={steps}",
@@ -118,10 +123,10 @@ def check_placement(doc: dict) -> list[str]:
             if m is None:
                 problems.append(f"step {step} {stage}: no manifest")
                 continue
-            want = {"rollout": {"inf"}, "logprob": set(TRAINING), "update": set(TRAINING)}.get(stage, {"ctl"})
+            want = {"rollout": {"inf"}, "update": set(TRAINING)}.get(stage, {"ctl"})
             if m["host"] not in want:
                 problems.append(f"step {step} {stage} ran on {m['host']}, expected one of {sorted(want)}")
-            if stage in ("logprob", "update") and sorted(m.get("rank_hosts") or []) != sorted(TRAINING):
+            if stage == "update" and sorted(m.get("rank_hosts") or []) != sorted(TRAINING):
                 problems.append(f"step {step} {stage}: ranks on {m.get('rank_hosts')}, expected {list(TRAINING)}")
     return problems
 
