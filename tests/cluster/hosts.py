@@ -74,14 +74,16 @@ class Host:
         self.cluster.save_state()
 
     def crash(self) -> None:
-        """Every process of the host dies at once (SIGKILL to its PID 1), as in a power loss."""
+        """Every process of the host dies at once, as in a power loss: the processes started here
+        (SIGKILL to their groups, while the host's PID 1 still reaps them), then its PID 1 (the
+        kernel kills whatever else lives in its PID namespace)."""
+        for p in self.procs:
+            _kill_group(p)
         if self.pid1:
             _kill(self.pid1)
         if self.holder is not None:
             _kill(self.holder.pid)
             self.holder.wait()
-        for p in self.procs:
-            _kill_group(p)
         self.procs, self.pid1, self.holder = [], None, None
 
     def link(self, up: bool) -> None:

@@ -59,8 +59,17 @@ def ensure_tools() -> str | None:
     if missing and shutil.which("apt-get"):
         say(f"installing {' '.join(missing)}")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], env=env, capture_output=True)
+        policy = Path("/usr/sbin/policy-rc.d")  # openssh-server's install must not start sshd here
+        own_policy = not policy.exists()
+        if own_policy:
+            policy.write_text("#!/bin/sh\nexit 101\n")
+            policy.chmod(0o755)
+        try:
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+            subprocess.run(["apt-get", "install", "-y", "-qq", *missing], env=env, capture_output=True)
+        finally:
+            if own_policy:
+                policy.unlink(missing_ok=True)
         missing = missing_tools()
     if missing:
         return f"missing packages {' '.join(missing)} and they could not be installed"
