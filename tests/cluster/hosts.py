@@ -85,6 +85,7 @@ class Host:
             _kill(self.holder.pid)
             self.holder.wait()
         self.procs, self.pid1, self.holder = [], None, None
+        reap_orphans(0.5)
 
     def link(self, up: bool) -> None:
         """Plug (True) or pull (False) the host's cable: its switch port up or down."""
@@ -148,6 +149,7 @@ class Cluster:
         (self.base / STATE).write_text(json.dumps(state))
 
     def start(self) -> "Cluster":
+        become_subreaper()
         for sub in ("run", "logs", "etc", "host", "image"):
             (self.base / sub).mkdir(exist_ok=True)
         (self.base / "etc" / "hosts").write_text(
@@ -176,6 +178,7 @@ class Cluster:
         self._closed = True
         for host in self.hosts.values():
             host.crash()
+        reap_orphans()
         _teardown(json.loads((self.base / STATE).read_text()) if (self.base / STATE).exists() else
                   {"netns": [h.netns for h in self.hosts.values()] + [self.switch], "pids": []}, self.base)
 
@@ -191,6 +194,28 @@ class Cluster:
         self.close()
         for s, handler in self._old.items():
             signal.signal(s, handler)
+
+
+def become_subreaper() -> None:
+    """Orphans of the hosts' killed processes become this process's children (not the machine's
+    init's), so reap_orphans() collects them: no zombie is left behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def reap_orphans(wait_s: float = 3.0) -> None:
+    """Collect exited children for up to `wait_s` (until none is left to wait for)."""
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            if time.time() > deadline:
+                return
+            time.sleep(0.05)
 
 
 def _raise_exit(signum, frame):
