@@ -269,6 +269,9 @@ def forget_inherited_rank_env() -> None:
             os.environ.pop(name, None)
 
 
+_OWN_PORT: list = []  # the MASTER_PORT init_distributed set in this process (children do not inherit it)
+
+
 def init_distributed(device: str = "cpu", timeout_s: float | None = None):
     """Initialise torch.distributed for this rank (gloo on CPU, nccl on CUDA), once. Inside a
     torchrun/deepspeed launch the env (RANK, WORLD_SIZE, MASTER_*) is already set; in-process
@@ -282,22 +285,23 @@ def init_distributed(device: str = "cpu", timeout_s: float | None = None):
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    own_port = "WORLD_SIZE" not in os.environ
+    # a one-process group of our own (no launcher env, or the env an earlier in-process group of
+    # this process set: its store may still hold that port): a fresh free port every time
+    own_port = "WORLD_SIZE" not in os.environ or os.environ.get("MASTER_PORT") in _OWN_PORT
     if own_port:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cuda = str(device).startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    for attempt in range(4):
-        try:
-            extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-            dist.init_process_group(backend="nccl" if cuda else "gloo", **extra)
-            break
-        except dist.DistNetworkError as e:  # our own port taken between the check and the bind: take another
-            if not own_port or "EADDRINUSE" not in str(e) or attempt == 3:
-                raise
-            os.environ["MASTER_PORT"] = str(free_port())
+    extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if own_port:  # one process: an in-memory store, no port to bind (a TCP store's port can be taken
+        # by another process between choosing and binding it: EADDRINUSE); the env stays for DeepSpeed
+        _OWN_PORT[:] = [os.environ["MASTER_PORT"]]
+        dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, **extra)
+    else:
+        dist.init_process_group(backend="nccl" if cuda else "gloo", **extra)
     return dist.get_rank(), dist.get_world_size()
 
 
