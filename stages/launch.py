@@ -108,8 +108,8 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
                                    f"stderr tail:\n{_tail(err_f)}") from None
             if lost:
                 host, code = lost
-                what = (f"was lost: ssh to it ended with exit code 255 (no answer within ssh's "
-                        f"ServerAliveInterval x ServerAliveCountMax, or the connection failed)" if code == 255
+                what = ("was lost: ssh to it ended with exit code 255 (no answer within ssh's "
+                        "ServerAliveInterval x ServerAliveCountMax, or the connection failed)" if code == 255
                         else f"ended its launch with exit code {code} (a rank there failed or was killed)")
                 message = (f"{module} on {world} ranks (deepspeed over {', '.join(_hosts(cmd))}): host {host} "
                            f"{what}; the launch was stopped on every host.\n--- stderr tail ---\n{_tail(err_f)}")
