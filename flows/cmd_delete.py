@@ -21,16 +21,15 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from flows.fork import ForkRefused, lock_run
-    from flows.inspect_lib import find_experiment
+    from flows.inspect_lib import find_experiment_or_say
     from storage.artifacts import read_run_json
     from storage.layout import RunLayout
     from storage.lineage import fork_records, forget_fork, release
 
-    try:
-        store, root, project, experiment = find_experiment(args)
-    except LookupError as exc:
-        print(f"error: {exc}")
+    found = find_experiment_or_say(args)
+    if found is None:
         return 2
+    store, root, project, experiment = found
     layout = RunLayout(project, experiment)
     forks = fork_records(store, layout)
     if forks and not args.detach_forks:

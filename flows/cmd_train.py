@@ -220,15 +220,14 @@ def resume_arguments(doc: dict, root: str | None) -> tuple[str, list, str]:
 
 
 def run_resume(args) -> int:
-    from flows.inspect_lib import find_experiment
+    from flows.inspect_lib import find_experiment_or_say
     from storage.artifacts import read_run_json
     from storage.layout import RunLayout
 
-    try:
-        store, root, project, experiment = find_experiment(args)
-    except LookupError as exc:
-        print(f"error: {exc}")
+    found = find_experiment_or_say(args)
+    if found is None:
         return 2
+    store, root, project, experiment = found
     doc = read_run_json(store, RunLayout(project, experiment))
     if not args.no_verify:  # a damaged file of a complete stage would otherwise go unnoticed
         from flows.cmd_verify import check_run

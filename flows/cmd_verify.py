@@ -34,15 +34,14 @@ def check_run(store, project: str, experiment: str, root: str) -> bool:
 
 
 def run(args) -> int:
-    from flows.inspect_lib import find_experiment
+    from flows.inspect_lib import find_experiment_or_say
     from storage.layout import RunLayout
     from storage.verify import repair, verify_run
 
-    try:
-        store, root, project, experiment = find_experiment(args)
-    except LookupError as exc:
-        print(f"error: {exc}")
+    found = find_experiment_or_say(args)
+    if found is None:
         return 2
+    store, root, project, experiment = found
     if not args.repair:
         return 0 if check_run(store, project, experiment, root) else 1
     layout = RunLayout(project, experiment)

@@ -55,6 +55,16 @@ def find_experiment(args):
     return (store, root, *RunLayout.find(store, args.experiment))
 
 
+def find_experiment_or_say(args):
+    """find_experiment for the commands that act on a run (resume, verify, delete): None after
+    printing "error: ..." when there is no such run (the caller exits 2)."""
+    try:
+        return find_experiment(args)
+    except LookupError as exc:
+        print(f"error: {exc}")
+        return None
+
+
 def guarded(func):
     """Run a command; a missing run/step, bad config or bad name prints one line, exit code 2."""
     @functools.wraps(func)
