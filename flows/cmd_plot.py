@@ -21,8 +21,6 @@ def register(subparsers) -> None:
 
 @guarded
 def run(args) -> int:
-    import json
-
     from flows.inspect_lib import open_view
     from flows.plots import make_plots
 
@@ -41,18 +39,12 @@ def run(args) -> int:
         done = [s for s in view.steps() if view.manifest(s, "rollout")]
         steps = done[-1:]
     written = make_plots(view, steps)
-    if args.json:
-        print(json.dumps(written, indent=2))
-        return 0
-    for w in written:
-        print(w["url"])
-    return 0
+    return print_written(written, args.json)
 
 
 def overlay(args, names: list) -> int:
     """branches_{names}.png in the first run's plots/ folder."""
     import argparse
-    import json
 
     from flows.inspect_lib import load_cli_config, open_view
     from flows.plots import branches_figure, save
@@ -64,9 +56,16 @@ def overlay(args, names: list) -> int:
             raise LookupError(f"{view.name} has no step with a complete rollout yet: nothing to plot")
     written = [save(views[0], branches_figure(views), "branches_" + "_".join(
         v.layout.experiment for v in views) + ".png")]
-    if args.json:
+    return print_written(written, args.json)
+
+
+def print_written(written: list, as_json: bool) -> int:
+    """The plots written: their URLs, one per line, or the records as JSON."""
+    import json
+
+    if as_json:
         print(json.dumps(written, indent=2))
-        return 0
-    for w in written:
-        print(w["url"])
+    else:
+        for w in written:
+            print(w["url"])
     return 0

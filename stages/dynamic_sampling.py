@@ -20,6 +20,7 @@ draws the same prompts.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import numpy as np
 
@@ -92,7 +93,7 @@ def collect_groups(ctx, dataset, sampling, model_dir, tokenizer, sample_prompts,
         results, scores, _, _ = rule_rewards(ctx, make_table("rollout", cols))
         values = metric_values(metric, results, scores)
         stds = varied_groups(cols["uid"], values)
-        n_groups = {uid: cols["uid"].count(uid) for uid in stds}
+        n_groups = Counter(cols["uid"])
         varied = [uid for uid, std in stds.items() if std > 0 or n_groups[uid] == 1]
         take = varied[:tbs - len(kept_uids)]
         take_set = set(take)
