@@ -161,15 +161,3 @@ def _fmt(value) -> str:
 
 def _md(text: str) -> str:
     return str(text).replace("`", "'").replace("\n", " ")
-
-
-def log_line(step: int, metrics: dict) -> str:
-    """verl's console format: `step:k - key:value - ...`."""
-    parts = [f"step:{step}"]
-    for key, value in metrics.items():
-        if isinstance(value, float):
-            text = f"{value:.3e}" if value and abs(value) < 1e-3 else f"{value:.3f}"
-        else:
-            text = str(value)
-        parts.append(f"{key}:{text}")
-    return " - ".join(parts)

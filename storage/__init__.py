@@ -7,4 +7,5 @@ schemas    the pyarrow schema of every stage artifact
 weights    HF folders to/from the store with a local cache keyed by checksum
 lock       one writer per experiment
 secrets    scrubbing of credentials from everything persisted
+sinks      the metric sinks trainer.logger names (console, tensorboard, wandb): a registry
 """

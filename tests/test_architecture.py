@@ -90,11 +90,11 @@ def test_yaml_enums_are_the_registries():
     (adding an estimator, loss, engine or sink means one registry entry; this test names the
     enum line to extend when the two disagree)."""
     from configs.schema import load_schema
-    from flows.metric_sinks import SINKS
     from stages.advantages import ADV_ESTIMATORS
     from stages.engines import ENGINES
     from stages.kl import KL_KINDS
     from stages.losses import POLICY_LOSSES
+    from storage.sinks import SINKS
 
     specs = load_schema().specs
     registries = {"algorithm.adv_estimator": ADV_ESTIMATORS,

@@ -207,3 +207,42 @@ def test_registry_backed_keys_accept_what_is_registered():
         load_config("tiny-cpu", ["algorithm.adv_estimator=my_constant_baseline"])
     for key in REGISTRY_KEYS:  # every declared registry can be read
         assert len(registered_names(key)) >= 2, key
+
+
+def test_a_user_registered_metric_sink_is_accepted_and_an_unknown_one_refused(tmp_path, capsys):
+    """trainer.logger is validated from the sink registry (storage/sinks.py) like the other
+    extension points: a sink registered by the user's code is accepted by config validation and
+    opened for the run; an unknown name is refused naming the key (`stagerl plan`: exit 2)."""
+    from flows.metric_sinks import MetricSinks
+    from storage.sinks import SINKS, register_sink
+
+    logged = []
+
+    @register_sink("my_list_sink")
+    class ListSink:
+        def __init__(self, cfg, secret_values=()):
+            self.experiment = cfg["trainer"]["experiment_name"]
+
+        def log(self, step, metrics):
+            logged.append((self.experiment, step, dict(metrics)))
+
+        def close(self):
+            logged.append("closed")
+
+    try:
+        cfg = load_config("tiny-cpu", ["trainer.logger=[console,my_list_sink]", "trainer.experiment_name=e"])
+        assert cfg["trainer"]["logger"] == ["console", "my_list_sink"]
+        assert load_config("tiny-cpu", ["trainer.logger=my_list_sink"])["trainer"]["logger"] == ["my_list_sink"]
+        sinks = MetricSinks(cfg)
+        sinks.log(1, {"actor/pg_loss": 0.5})
+        sinks.close()
+        assert logged == [("e", 1, {"actor/pg_loss": 0.5}), "closed"]
+    finally:
+        del SINKS["my_list_sink"]
+    with pytest.raises(ConfigError, match=r"trainer.logger: 'my_list_sink' is not one of "
+                                          r"\['console', 'tensorboard', 'wandb'\] \(the registered names\)"):
+        load_config("tiny-cpu", ["trainer.logger=[console,my_list_sink]"])
+    capsys.readouterr()
+    assert main(["plan", "--config", "tiny-cpu", "trainer.logger=[console,mlflow]"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.logger: 'mlflow' is not one of" in err and "Traceback" not in err

@@ -20,7 +20,7 @@ from _s3_server import MotoServer
 from _sink_logs import tensorboard_scalars, wandb_run
 from flows.train import changed_keys, check_run_json, prune_weights, weights_to_delete, RunConfigChanged
 from flows.step import is_retryable
-from flows.step_report import log_line
+from storage.sinks import log_line
 from storage.faults import FaultSpecError, parse
 from storage.artifacts import read_file, read_manifest, read_table
 from storage.layout import STAGES, RunLayout

@@ -4,8 +4,8 @@ import pytest
 from _sink_logs import tensorboard_scalars, wandb_run
 from configs.loader import load_config
 from configs.schema import ConfigError
-from flows import metric_sinks
 from flows.metric_sinks import MetricSinks, check_sinks
+from storage import sinks
 
 STEPS = {1: {"actor/pg_loss": 0.25, "critic/vf_loss": 1.5, "score/mean": 3, "flag": True, "note": "x"},
          2: {"actor/pg_loss": -0.125, "critic/vf_loss": 0.75, "score/mean": 4}}
@@ -40,7 +40,7 @@ def test_every_sink_gets_each_steps_numbers(tmp_path, monkeypatch, capsys):
 def test_a_sink_that_is_unknown_or_not_installed_is_refused(monkeypatch):
     cfg = load_config("tiny-cpu", ["trainer.logger=[console,wandb]"])
     check_sinks(cfg)  # installed
-    monkeypatch.setattr(metric_sinks.WandbSink, "package", "wandb_not_installed_here")
+    monkeypatch.setattr(sinks.WandbSink, "package", "wandb_not_installed_here")
     with pytest.raises(ConfigError, match=r"trainer.logger has wandb but the wandb_not_installed_here package "
                                           r"is not installed: `pip install wandb_not_installed_here`"):
         MetricSinks(cfg)
