@@ -185,9 +185,11 @@ def _folders(store, src: RunLayout, new: RunLayout, step: int, stage: str, plan:
         needed.append((src.weights(0), "the reference policy (the warm start)"))
     for key, what in needed:
         if not store.exists(f"{key}/{WEIGHTS_MANIFEST}"):
-            raise ForkRefused(f"{store.url(key)} is no longer kept (a run keeps its newest two train "
-                              f"states, and weights per trainer.save_freq), and {what} needs it: fork "
-                              f"at a later step of {src.experiment}")
+            raise ForkRefused(f"{store.url(key)} is no longer kept, and {what} needs it: a run keeps "
+                              f"its newest two train states and its latest weights, older ones only at "
+                              f"multiples of trainer.save_freq (at most trainer.max_actor_ckpt_to_keep). "
+                              f"Fork at a later step of {src.experiment}, or train the source with "
+                              f"trainer.save_freq=1 to fork it at any step")
     return [(a, b) for a, b in pairs if store.exists(f"{a}/{WEIGHTS_MANIFEST}")]
 
 

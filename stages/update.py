@@ -42,7 +42,7 @@ CONFIG_KEYS = ("actor_rollout_ref.actor", "actor_rollout_ref.model.path", "actor
                "actor_rollout_ref.rollout.temperature", "algorithm.rollout_correction",
                "critic", "data.max_response_length", "trainer.balance_batch", "trainer.critic_warmup",
                "trainer.total_training_steps", "trainer.n_gpus_per_node", "trainer.nnodes")
-KEEP_STATES = 2  # train_state/step_k and step_{k-1} (a rerun of step k needs the latter)
+KEEP_STATES = 2  # the newest two are always kept: a rerun of step k needs train_state/step_{k-1}
 
 
 def state_key(layout, k: int) -> str:
@@ -234,9 +234,31 @@ def microbatch_table(results: list, extra_records=()):
     return make_table("microbatches", cols)
 
 
+def states_to_delete(steps: list[int], latest: int, save_freq: int, keep: int | None) -> list[int]:
+    """Train states to remove after step `latest`'s update, as verl keeps its checkpoints: those at
+    multiples of trainer.save_freq (> 0), the newest `keep` (max_actor_ckpt_to_keep, or the
+    critic's; null or <= 0: all); the newest KEEP_STATES are kept besides (a rerun needs the step
+    before's). So trainer.save_freq=1 keeps every state, and a fork can start at any step."""
+    newest = [k for k in steps if k > latest - KEEP_STATES]
+    saved = sorted(k for k in steps if save_freq > 0 and k % save_freq == 0 or k in newest)
+    if keep is not None and keep > 0:
+        saved = saved[-keep:]
+    return [k for k in steps if 1 <= k <= latest - KEEP_STATES and k not in saved]
+
+
 def _prune_states(ctx) -> None:
-    """Keep the newest KEEP_STATES train states (deleting after the manifest keeps reruns possible)."""
-    old = ctx.step - KEEP_STATES
-    if old >= 1:  # a fork that references the state gets a copy first (storage.lineage)
-        delete_tree(ctx.store, state_key(ctx.layout, old))
+    """Remove the train states states_to_delete names, per role (after the manifest, so a rerun
+    of this step still finds the step before's); a fork that references one gets a copy first
+    (storage.lineage)."""
+    layout = ctx.layout
+    steps = sorted(int(n[5:]) for n in ctx.store.list(layout.train_state)
+                   if n.startswith("step_") and n[5:].isdigit())
+    save_freq = int(ctx.get("trainer.save_freq") or -1)
+    doomed = {role: states_to_delete(steps, ctx.step, save_freq, ctx.get(f"trainer.max_{role}_ckpt_to_keep"))
+              for role in ("actor", "critic")}
+    for k in sorted(set(doomed["actor"]) | set(doomed["critic"])):
+        for role in [r for r in doomed if k in doomed[r]]:
+            delete_tree(ctx.store, f"{state_key(layout, k)}/{role}")
+        if not ctx.store.list(state_key(layout, k)):  # nothing left of that step
+            ctx.store.delete(state_key(layout, k), recursive=True)
 
