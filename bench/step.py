@@ -79,16 +79,16 @@ def main() -> int:
         finally:
             rec["publish"][ctx.step] = time.perf_counter() - t
 
-    def timed_subflow(run_uri, step, extra=None):
+    def timed_subflow(run, step, extra=None):
         t = time.perf_counter()
         try:
-            return original_subflow(run_uri, step, extra)
+            return original_subflow(run, step, extra)
         finally:
             rec["subflow"][step] = time.perf_counter() - t
 
-    def timed_execute(stage, run_uri, step, extra=None, deployment=None):  # checks = all but run
+    def timed_execute(stage, run, step, extra=None, deployment=None):  # checks = all but run
         t = time.perf_counter()
-        out = original_execute(stage, run_uri, step, extra, deployment)
+        out = original_execute(stage, run, step, extra, deployment)
         ran = out.get("seconds") if isinstance(out, dict) else 0.0
         rec["checks"][step] = rec["checks"].get(step, 0.0) + time.perf_counter() - t - (ran or 0.0)
         return out

@@ -1,9 +1,10 @@
 """One RL step as a Prefect flow: rollout -> logprob -> reward -> advantage -> update, each a task.
 
-Tasks pass only a run URI (`store.url(layout.base)`), the step number and a small `extra` dict;
-each task rebuilds its StageContext from an in-process registry (the training flow registered the
-resolved config there) or, in another process (a stage deployment on its own work pool), from the
-run's run.json. A stage whose manifest exists with the fingerprint the stage would write is not
+The training flow passes the step's flow and its tasks a RunHandle (flows/run_handle.py: the run
+URI, and in the training flow's process its resolved config, plan, store and run session), the step
+number and a small `extra` dict; each task builds its StageContext from the handle. A stage flow
+run by a deployment in another process gets the URI only and rebuilds the handle from the run's
+run.json. A stage whose manifest exists with the fingerprint the stage would write is not
 run again: its task ends in a Completed state named "Cached" with the reason as its message.
 
 Retries: storage I/O errors (StoreError, connection/timeouts, other OSErrors) retry with
@@ -13,8 +14,8 @@ With orchestration.mode=deployments rollout and update run as `rl-stage/*` deplo
 run_deployment, and logprob (the other N-rank stage: its ranks run where the update's do, e.g. a
 DeepSpeed launch over the training nodes' hostfile) on the update deployment when it has passes to
 run (stages.logprob.runs_on_ranks; else it runs here and the update's job gives the old
-log-probs); the parameters are
-still only the URI, the stage, the step and `extra`. A stage flow that fails says on which host."""
+log-probs); the deployment's parameters are
+only the URI, the stage, the step and `extra`. A stage flow that fails says on which host."""
 from __future__ import annotations
 
 import importlib
@@ -27,72 +28,18 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from flows import step_report
+from flows.run_handle import RunHandle
 from flows.stage_watch import Heartbeat, heartbeat_timeout, run_stage_deployment
-from storage.artifacts import read_manifest, read_run_json
-from storage.faults import with_faults
+from storage.artifacts import read_manifest
 from storage.layout import STAGES, RunLayout
-from storage.store import Store, StoreError
+from storage.store import StoreError
 
 STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: stages)
 REMOTE_STAGES = ("rollout", "update")
 ON_UPDATE_DEPLOYMENT = ("logprob",)  # N-rank stages run by the update deployment, on its pool
-_RUNS: dict = {}  # run_uri -> (cfg, plan, store): what the training flow resolved in this process
-_SESSIONS: dict = {}  # run_uri -> stages.session.RunSession of the training flow running it here
 
 
-# ---- run registry and contexts -------------------------------------------------------------
-def register_run(cfg: dict, plan: dict, store: Store, session=None) -> str:
-    """Remember a resolved run (and the session keeping its workers) in this process; returns
-    its URI (what tasks receive). Tasks only pass the URI; the session stays in this process."""
-    run_uri = store.url(RunLayout.from_config(cfg).base)
-    _RUNS[run_uri] = (cfg, plan, with_faults(store))
-    if session is not None:
-        _SESSIONS[run_uri] = session
-    return run_uri
-
-
-def unregister_session(run_uri: str) -> None:
-    _SESSIONS.pop(run_uri, None)
-
-
-def split_run_uri(run_uri: str) -> tuple[str, str, str]:
-    """'s3://bucket/prefix/project/experiment' -> ('s3://bucket/prefix', project, experiment)."""
-    root, project, experiment = run_uri.rstrip("/").rsplit("/", 2)
-    return root, project, experiment
-
-
-def open_run(run_uri: str) -> tuple[dict, dict, Store]:
-    """(cfg, plan, store) of a run: registered in this process, else read from its run.json
-    (S3 credentials then come from this machine's AWS_* environment)."""
-    if run_uri in _RUNS:
-        return _RUNS[run_uri]
-    root, project, experiment = split_run_uri(run_uri)
-    storage_cfg = {"root": root}
-    probe = Store.from_config(storage_cfg)
-    doc = read_run_json(probe, RunLayout(project, experiment))
-    if doc is None:
-        raise FileNotFoundError(f"no run.json at {run_uri}/run.json: start the run with "
-                                f"`stagerl train` or the rl-train deployment first")
-    cfg = doc["config"]
-    # run.json holds no credentials ("***"): this machine's AWS_* environment provides them,
-    # here and in any rank process rebuilt from this config.
-    kept = {**(cfg.get("storage") or {}), "root": root, "key": None, "secret": None}
-    cfg["storage"] = kept
-    store = Store.from_config(kept)
-    _RUNS[run_uri] = (cfg, doc["plan"], with_faults(store))
-    return _RUNS[run_uri]
-
-
-def make_context(run_uri: str, step: int, extra: dict | None = None):
-    from stages.context import StageContext
-
-    cfg, plan, store = open_run(run_uri)
-    ctx = StageContext.create(cfg, plan, step, store=store)
-    ctx.extra = dict(extra or {})
-    ctx.session = _SESSIONS.get(run_uri)
-    return ctx
-
-
+# ---- stages and their fingerprints ------------------------------------------------------------
 def stage_module(stage: str):
     """The module implementing `stage` (STAGE, INPUTS, CONFIG_KEYS, run)."""
     package = os.environ.get(STAGES_ENV) or "stages"
@@ -161,10 +108,10 @@ def summarize(manifest: dict, skipped: bool, seconds: float | None = None) -> di
             "metrics": (manifest.get("extra") or {}).get("metrics") or {}}
 
 
-def execute_stage(stage: str, run_uri: str, step: int, extra: dict | None = None,
+def execute_stage(stage: str, run: RunHandle, step: int, extra: dict | None = None,
                   deployment: str | None = None):
     """Run one stage unless complete. Returns its summary, or a Cached state carrying it."""
-    ctx = make_context(run_uri, step, extra)
+    ctx = run.context(step, extra)
     module = stage_module(stage)
     fingerprint = stage_fingerprint(module, ctx)
     manifest = read_manifest(ctx.store, ctx.layout, step, stage)
@@ -173,11 +120,11 @@ def execute_stage(stage: str, run_uri: str, step: int, extra: dict | None = None
         return Completed(name="Cached", message=message, data=summarize(manifest, skipped=True))
     t0 = time.perf_counter()
     if deployment:
-        run_stage_deployment(deployment, ctx, stage, run_uri, extra)
+        run_stage_deployment(deployment, ctx, stage, run.uri, extra)
         manifest = read_manifest(ctx.store, ctx.layout, step, stage)
         if not manifest:
             raise RuntimeError(f"deployment {deployment} finished but step {step} stage {stage!r} "
-                               f"has no manifest in {run_uri}")
+                               f"has no manifest in {run.uri}")
     else:
         from storage.faults import maybe_fault
 
@@ -188,9 +135,11 @@ def execute_stage(stage: str, run_uri: str, step: int, extra: dict | None = None
 
 @task(name="stage", task_run_name="{stage}-step-{step}", cache_policy=NO_CACHE,
       retry_condition_fn=_retry_condition)
-def stage_task(stage: str, run_uri: str, step: int, extra: dict | None = None,
+def stage_task(stage: str, run: RunHandle, step: int, extra: dict | None = None,
                deployment: str | None = None):
-    return execute_stage(stage, run_uri, step, extra, deployment)
+    """One stage of one step. Its parameters are not recorded by Prefect and, with NO_CACHE, make
+    no cache key: the run handle is passed as the object it is. A complete stage ends as Cached."""
+    return execute_stage(stage, run, step, extra, deployment)
 
 
 def check_stage_deployments(cfg: dict) -> dict:
@@ -223,16 +172,18 @@ def check_stage_deployments(cfg: dict) -> dict:
 # ---- flows ------------------------------------------------------------------------------------
 @flow(name="rl-stage", flow_run_name="{stage}-step-{step}")
 def stage_flow(stage: str, run_uri: str, step: int, extra: dict | None = None) -> dict:
-    """One stage as its own flow run: what the rl-stage/* deployments run on their work pools."""
+    """One stage as its own flow run: what the rl-stage/* deployments run on their work pools.
+    Its parameters are JSON (the run's URI): the run is opened here from its run.json."""
     from stages.launch import forget_inherited_rank_env
 
     forget_inherited_rank_env()
     host = socket.gethostname()
     logger().info(f"{stage} of step {step} on host {host}")
     try:
-        cfg, _, store = open_run(run_uri)
+        run = RunHandle(uri=run_uri)
+        cfg, _, store = run.open()
         with Heartbeat(store, RunLayout.from_config(cfg).heartbeat(step, stage), heartbeat_timeout(cfg)):
-            return task_result(stage_task.with_options(**retry_options(cfg))(stage, run_uri, step, extra,
+            return task_result(stage_task.with_options(**retry_options(cfg))(stage, run, step, extra,
                                                                           return_state=True))
     except Exception as exc:  # the driver's error names the host this stage ran on
         raise RuntimeError(f"{stage} of step {step} failed on host {host}: "
@@ -250,36 +201,37 @@ def task_result(state) -> dict:
 
 
 @flow(name="rl-step", flow_run_name="step-{step}")
-def rl_step(run_uri: str, step: int, extra: dict | None = None, publish: bool = True,
+def rl_step(run: RunHandle, step: int, extra: dict | None = None, publish: bool = True,
             background_publish: bool = False) -> dict:
     """rollout -> logprob -> reward -> advantage -> update for one step; {stage: summary}.
-    With background_publish and a run session in this process, the step's Prefect artifacts are
-    written by the session's publisher thread (attached to this flow run) while the caller goes
-    on; closing the session waits for them."""
-    cfg, plan, _ = open_run(run_uri)
+    `run` is recorded by Prefect as {"uri": ...} only (flows/run_handle.py); a handle rebuilt from
+    that reads run.json. With background_publish and the run's session (the training flow's
+    handle), the step's Prefect artifacts are written by the session's publisher thread (attached
+    to this flow run) while the caller goes on; closing the session waits for them."""
+    cfg, plan, _ = run.open()
     remote = check_stage_deployments(cfg)
     if "logprob" in remote and not getattr(stage_module("logprob"), "runs_on_ranks", lambda p: True)(plan):
         remote.pop("logprob")  # no pass to run on ranks: the old log-probs come with the update
     run_task = stage_task.with_options(**retry_options(cfg))
-    session = _SESSIONS.get(run_uri)
+    session = run.session
     publisher = step_report.background_publisher(session) if background_publish and session else None
     if publisher is not None:
         publisher.start()  # the previous step's artifacts, beside this step's first stage
     summaries = {}
     for stage in STAGES:
-        summaries[stage] = task_result(run_task(stage, run_uri, step, extra, remote.get(stage),
+        summaries[stage] = task_result(run_task(stage, run, step, extra, remote.get(stage),
                                             return_state=True))
     if publish and publisher is not None:
-        publisher.submit(make_context(run_uri, step), summaries)
+        publisher.submit(run.context(step), summaries)
     elif publish:
-        step_report.publish_step(make_context(run_uri, step), summaries)
+        step_report.publish_step(run.context(step), summaries)
     return summaries
 
 
-def run_step_subflow(run_uri: str, step: int, extra: dict | None = None) -> dict:
+def run_step_subflow(run: RunHandle, step: int, extra: dict | None = None) -> dict:
     """rl_step as a subflow of the training flow, its artifacts published in the background
     (see rl_step). The training flow runs its steps inside subflow_heartbeats_off()."""
-    return rl_step(run_uri, step, extra, background_publish=True)
+    return rl_step(run, step, extra, background_publish=True)
 
 
 def subflow_heartbeats_off():

@@ -15,8 +15,9 @@ import time
 
 from prefect import flow
 
-from flows.step import (check_stage_deployments, is_retryable, logger, make_context, register_run, rl_step,
-                        run_step_subflow, step_is_complete, subflow_heartbeats_off, unregister_session)
+from flows.run_handle import RunHandle
+from flows.step import (check_stage_deployments, is_retryable, logger, rl_step, run_step_subflow,
+                        step_is_complete, subflow_heartbeats_off)
 from configs.changes import changed_keys, flatten
 from configs.local_paths import check_local_paths
 from configs.memory import check_fits, estimate_memory
@@ -172,7 +173,7 @@ def prune_weights(store: Store, layout: RunLayout, latest: int, cfg: dict) -> li
 
 
 # ---- logging --------------------------------------------------------------------------------
-def validate(run_uri: str, step: int, extra: dict) -> dict | None:
+def validate(run: RunHandle, step: int, extra: dict) -> dict | None:
     """Validation: stages.rollout.generate_validation(ctx) rows, scored by the reward functions;
     returns verl's val/test_score/{data_source} means."""
     from flows.step import stage_module
@@ -181,7 +182,7 @@ def validate(run_uri: str, step: int, extra: dict) -> dict | None:
     if fn is None:
         logger().warning("validation requested but the rollout stage has no generate_validation")
         return None
-    ctx = make_context(run_uri, step + 1, extra)  # samples the policy after `step` (0: initial)
+    ctx = run.context(step + 1, extra)  # samples the policy after `step` (0: initial)
     rows = fn(ctx) or []
     if not rows:
         return {}
@@ -230,7 +231,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
     check_stage_deployments(cfg)  # multi-pool mode: refuse missing/misplaced deployments first
     check_sinks(cfg)  # trainer.logger: known and installed, before anything starts
     lock = acquire_lock(store, layout, force_lock)
-    pool, run_uri, sinks = None, None, None
+    pool, sinks = None, None
     orch = cfg["orchestration"]
     # the run's resident workers (rollout engines, reward scorers) and background commits
     session = RunSession(retries=int(orch.get("storage_retries", 5)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
@@ -245,14 +246,14 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
                                                         for o in overrides or []],
                         "experiment_name": experiment_name})
         sinks = MetricSinks(cfg, store.secret_values)
-        run_uri = register_run(cfg, plan, store, session)
+        run = RunHandle.of(cfg, plan, store, session)  # passed to the steps and their tasks
         dataset = load_dataset(cfg, store)
         check_ground_truth(cfg, dataset)
         if trainer_validates(cfg):
             check_ground_truth(cfg, load_dataset(cfg, store, "val"))
         total = total_steps(cfg, dataset.steps_per_epoch)
         trainer, orch = cfg["trainer"], cfg["orchestration"]
-        print(f"run {run_uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
+        print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
         done, ran, last = [], [], {}
         if orch["mode"] == "local":  # rollout runs in this process's session: start its engines now
@@ -260,30 +261,30 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
 
             warm = getattr(stage_module("rollout"), "warm_up", None)
             if warm is not None:
-                warm(make_context(run_uri, 1, step_extra(dataset, 1, total)))
+                warm(run.context(1, step_extra(dataset, 1, total)))
         pool = session.rank_pool = start_rank_pool(cfg, plan)  # in the background too
         if (cfg.get("warmstart") or {}).get("enable"):  # stages.warmstart: step 0, once, resumable
             from flows.step import task_result, retry_options, stage_task
 
             task_result(stage_task.with_options(**retry_options(cfg))(
-                "warmstart", run_uri, 0, step_extra(dataset, 1, total), return_state=True))
-        if trainer["val_before_train"] and not _first_done(run_uri, total, dataset):
-            _log_validation(sinks, 0, validate(run_uri, 0, step_extra(dataset, 1, total)))
+                "warmstart", run, 0, step_extra(dataset, 1, total), return_state=True))
+        if trainer["val_before_train"] and not _first_done(run, total, dataset):
+            _log_validation(sinks, 0, validate(run, 0, step_extra(dataset, 1, total)))
         if pool is not None:  # the first update's DeepSpeed set-up, beside the first rollout
-            prepare_update(pool, run_uri, dataset, total)
+            prepare_update(pool, run, dataset, total)
         with subflow_heartbeats_off():  # the steps' subflows (flows.step)
             for step in range(1, total + 1):
                 t0 = time.perf_counter()  # timing_s/step: the whole iteration except validation
                 lock.refresh()
                 extra = step_extra(dataset, step, total)
-                ctx = make_context(run_uri, step, extra)
+                ctx = run.context(step, extra)
                 if step_is_complete(ctx):
                     done.append(step)
                     last = step_metrics(ctx)
                     sinks.log(step, last)
                     continue
-                summaries = (run_step_subflow(run_uri, step, extra) if orch["step_subflow"]
-                             else rl_step.fn(run_uri, step, extra, background_publish=True))
+                summaries = (run_step_subflow(run, step, extra) if orch["step_subflow"]
+                             else rl_step.fn(run, step, extra, background_publish=True))
                 last = step_metrics(ctx, summaries)
                 if not ran:
                     freeze_heap()
@@ -292,17 +293,15 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
                 last["timing_s/step"] = round(time.perf_counter() - t0, 3)
                 sinks.log(step, last)
                 if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
-                    _log_validation(sinks, step, validate(run_uri, step, extra))
+                    _log_validation(sinks, step, validate(run, step, extra))
         session.wait_commits()  # the last update is in the store before the run reports done
         if ran:  # the folder kept while the last step was committing in the background
             prune_weights(store, layout, ran[-1], cfg)
-        return {"run": run_uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
+        return {"run": run.uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
                 "last_metrics": last}
     finally:
         if pool is not None:
             pool.close()
-        if run_uri is not None:
-            unregister_session(run_uri)
         session.close()
         try:
             if sinks is not None:
@@ -357,24 +356,24 @@ def start_rank_pool(cfg: dict, plan: dict):
     return pool
 
 
-def prepare_update(pool, run_uri: str, dataset, total: int) -> None:
+def prepare_update(pool, run: RunHandle, dataset, total: int) -> None:
     """Submit stages.update_worker's prepare job for the first step whose update has not run:
     the ranks build its engines (and load the previous state) while that step's rollout runs."""
     from flows.step import stage_is_complete
 
     for step in range(1, total + 1):
-        ctx = make_context(run_uri, step, step_extra(dataset, step, total))
+        ctx = run.context(step, step_extra(dataset, step, total))
         if not stage_is_complete(ctx, "update"):
             ctx.extra["prepare_only"] = True
             pool.submit_background("stages.update_worker", ctx)
             return
 
 
-def _first_done(run_uri: str, total: int, dataset) -> bool:
+def _first_done(run: RunHandle, total: int, dataset) -> bool:
     """True when step 1 is already complete (a resumed run does not validate before training again)."""
     if total < 1:
         return True
-    return step_is_complete(make_context(run_uri, 1, step_extra(dataset, 1, total)))
+    return step_is_complete(run.context(1, step_extra(dataset, 1, total)))
 
 
 def _log_validation(sinks: MetricSinks, step: int, metrics: dict | None) -> None:
