@@ -24,14 +24,22 @@ update trains: W, or with LoRA (lora_rank r) r × (in + out) per adapted project
   (logits, log-softmax, their gradient) for the actor; a critic's value head has one output.
   The export after training gathers an fp32 copy of every parameter on each rank (4·W; with
   LoRA a merged copy too) while weights and optimizer states are still held: the stage's peak
-  is the larger of training and export.
+  is the larger of training and export. With a critic (GAE) both roles' engines live in the
+  update's one process per rank: the stage (`update`) holds both roles' weights and states, plus
+  the largest transient of either (activations + logits while it trains, its export's copies).
 - logprob (per rank): weights b·W and one micro-batch's forward without gradients: one layer's
   activations and the same chunked logits.
 - rollout (per replica): vLLM takes gpu_memory_utilization of the device (weights, KV cache and
   activations inside it); without a known device size, and for the hf engine: weights ÷ TP plus a
   KV cache of 2·L·kv values per token for every sequence it holds at once (vLLM: max_num_seqs,
   hf: hf_generate_batch_size) at max_seq_len.
-- every process: RUNTIME_GIB for the framework (CUDA context or the CPU process's libraries).
+- logprob on the CPU (trainer.device=cpu, where host memory is the device's) in a dtype other than
+  fp32: loading casts the fp32 checkpoint (the update's exports are fp32), whose file pages are
+  read in full while the cast copy is built: 4·W beside the weights until the load ends (on a GPU
+  that read is host memory, not counted). The stage's peak is the larger of load and forward.
+- every process: RUNTIME_GIB for the framework (a CUDA context and its libraries); a CPU process
+  (trainer.device=cpu) holds CPU_RUNTIME_GIB (torch, transformers, DeepSpeed: measured 0.3-0.5
+  GiB above the weights by bench/scale.py).
 
 An estimate, not a measurement: bench/checkpointing.py prints measured peaks beside it.
 """
@@ -46,6 +54,7 @@ from configs.schema import ConfigError
 
 GIB = 2 ** 30
 RUNTIME_GIB = 1.0
+CPU_RUNTIME_GIB = 0.5
 LOGIT_CHUNK = 1024  # positions per vocab projection in stages/models.py (DEFAULT_CHUNK; a test ties them)
 ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "float16": 2, "fp16": 2, "auto": 2}
@@ -118,6 +127,11 @@ def trainable_params(cfg, a: dict, model_key: str, value_head: bool) -> int:
     return adapter_params(a, rank, targets) + ((a["hidden"] + 1) if value_head else 0)
 
 
+def runtime_gib(cfg) -> float:
+    """The framework's own memory in every process: CUDA context and libraries, or a CPU process's."""
+    return CPU_RUNTIME_GIB if get_path(cfg, "trainer.device") == "cpu" else RUNTIME_GIB
+
+
 def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_out: int, seq_len: int) -> dict:
     zero = get_path(cfg, f"{ACTOR}.deepspeed.zero_stage")
     mixed = get_path(cfg, f"{ACTOR}.deepspeed.dtype") == "bf16"
@@ -134,12 +148,13 @@ def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_ou
         "optimizer": 0 if offload.get("optimizer_offload") else 12 * P / dp,
         "activations": T * b * (a["layers"] * a["hidden"] + layer if checkpointing else a["layers"] * layer),
         "logits": 3 * 4 * min(T, LOGIT_CHUNK) * vocab_out,
-        "runtime": RUNTIME_GIB * GIB,
+        "runtime": runtime_gib(cfg) * GIB,
     }
     states = parts["gradients"] + parts["master_gradients"] + parts["optimizer"]
     # after training, the export gathers every parameter as an fp32 copy on each rank (and with
     # LoRA a merged copy beside it) while the weights and optimizer states are still allocated
-    export = parts["weights"] + states + 4 * W * (2 if P != W else 1) + RUNTIME_GIB * GIB
+    export_copy = 4 * W * (2 if P != W else 1)
+    export = parts["weights"] + states + export_copy + parts["runtime"]
     train = sum(parts.values())
     lora16 = adapter_params(a, 16)
     return {"tokens_per_micro_batch": T, "gradient_checkpointing": checkpointing, "zero_stage": zero, "dp": dp,
@@ -147,16 +162,32 @@ def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_ou
             "lora16_saves_gib": round(states * (1 - lora16 / P) / GIB, 3) if P == W else 0.0,
             "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
             "train_gib": round(train / GIB, 3), "export_gib": round(export / GIB, 3),
-            "total_gib": round(max(train, export) / GIB, 3)}
+            "total_gib": round(max(train, export) / GIB, 3),
+            "held_gib": round((parts["weights"] + states) / GIB, 3),
+            "transient_gib": round(max(parts["activations"] + parts["logits"], export_copy) / GIB, 3)}
 
 
-def _logprob(lp: dict, kind: str, a: dict, b: int, vocab_out: int, seq_len: int) -> dict:
+def update_stage(roles: dict) -> dict:
+    """The update stage of a config with a critic: both roles' engines live in one process per rank
+    (stages/update_worker.py), each holding its weights and states for the whole stage, while
+    one role at a time trains (activations, logits) or exports (its gathered fp32 copy): the peak
+    is both roles' held memory plus the largest transient, plus one runtime."""
+    held = {f"{name} held": est["held_gib"] for name, est in roles.items()}
+    parts = {**held, "largest transient": max(est["transient_gib"] for est in roles.values()), "runtime": next(iter(roles.values()))["parts_gib"]["runtime"]}
+    return {"roles": list(roles), "parts_gib": parts, "total_gib": round(sum(parts.values()), 3)}
+
+
+def _logprob(cfg, lp: dict, kind: str, a: dict, b: int, vocab_out: int, seq_len: int) -> dict:
     T = _tokens(lp, kind, seq_len)
+    cpu = get_path(cfg, "trainer.device") == "cpu"
     parts = {"weights": b * a["params"], "activations": T * b * _layer_values(a),
              "logits": 3 * 4 * min(T, LOGIT_CHUNK) * vocab_out,
-             "runtime": RUNTIME_GIB * GIB}
+             "fp32 checkpoint read": 4 * a["params"] if cpu and b != 4 else 0,
+             "runtime": runtime_gib(cfg) * GIB}
+    load = parts["weights"] + parts["fp32 checkpoint read"] + parts["runtime"]
+    forward = sum(parts.values()) - parts["fp32 checkpoint read"]
     return {"tokens_per_micro_batch": T, "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
-            "total_gib": round(sum(parts.values()) / GIB, 3)}
+            "load_gib": round(load / GIB, 3), "total_gib": round(max(load, forward) / GIB, 3)}
 
 
 def _rollout(cfg, a: dict, seq_len: int, device_gib: float | None) -> dict:
@@ -164,12 +195,12 @@ def _rollout(cfg, a: dict, seq_len: int, device_gib: float | None) -> dict:
     if name == "vllm" and device_gib:
         share = get_path(cfg, f"{ROLLOUT}.gpu_memory_utilization")
         return {"engine": name, "parts_gib": {"gpu_memory_utilization share": round(share * device_gib, 3)},
-                "total_gib": round(share * device_gib + RUNTIME_GIB, 3)}
+                "total_gib": round(share * device_gib + runtime_gib(cfg), 3)}
     b = DTYPE_BYTES.get(str(get_path(cfg, f"{ROLLOUT}.dtype")), 2) if name == "vllm" else 4
     seqs = get_path(cfg, f"{ROLLOUT}.max_num_seqs") if name == "vllm" else get_path(cfg, f"{ROLLOUT}.hf_generate_batch_size")
     tp = get_path(cfg, f"{ROLLOUT}.tensor_model_parallel_size") or 1
     parts = {"weights": b * a["params"] / tp, "kv_cache": 2 * a["layers"] * a["kv"] * seq_len * int(seqs or 1) * b / tp,
-             "runtime": RUNTIME_GIB * GIB}
+             "runtime": runtime_gib(cfg) * GIB}
     return {"engine": name, "sequences_at_once": seqs, "parts_gib": {k: round(v / GIB, 3) for k, v in parts.items()},
             "total_gib": round(sum(parts.values()) / GIB, 3)}
 
@@ -203,17 +234,38 @@ def estimate_memory(cfg, plan: dict) -> dict | None:
            "update_actor": _update(cfg, plan["actor"], actor_arch, "actor_rollout_ref.model",
                                    f"{ACTOR}.fsdp_config", actor_arch["vocab"], seq_len)}
     if plan["rollout"].get("old_log_prob_pass", True):
-        out["logprob_actor"] = _logprob(plan["rollout"], "log_prob", actor_arch, b, actor_arch["vocab"], seq_len)
+        out["logprob_actor"] = _logprob(cfg, plan["rollout"], "log_prob", actor_arch, b, actor_arch["vocab"], seq_len)
     if plan["ref"]:
-        out["logprob_ref"] = _logprob(plan["ref"], "log_prob", actor_arch, b, actor_arch["vocab"], seq_len)
+        out["logprob_ref"] = _logprob(cfg, plan["ref"], "log_prob", actor_arch, b, actor_arch["vocab"], seq_len)
     if plan["critic"]:
         critic_arch = read_architecture(get_path(cfg, "critic.model.path")) or actor_arch
         critic_arch = {**critic_arch, "params": critic_arch["params"] - critic_arch["vocab"] * critic_arch["hidden"]
                        * (0 if critic_arch["tied"] else 1) + critic_arch["hidden"] + 1}  # value head, no LM head
         out["update_critic"] = _update(cfg, plan["critic"], critic_arch, "critic.model", "critic.model.fsdp_config",
                                        1, seq_len)
-        out["logprob_critic"] = _logprob(plan["critic"], "values", critic_arch, b, 1, seq_len)
+        out["logprob_critic"] = _logprob(cfg, plan["critic"], "values", critic_arch, b, 1, seq_len)
+        out["update"] = update_stage({"actor": out["update_actor"], "critic": out["update_critic"]})
     return out
+
+
+def _update_tips(est: dict, device: float) -> list[tuple]:
+    """(GiB saved, change, whether it changes what is trained) for one role's update."""
+    parts, tips = est["parts_gib"], []
+    prefix, offload = (("critic", "critic.model.fsdp_config") if est["model_key"] == "critic.model"
+                       else (ACTOR, f"{ACTOR}.fsdp_config"))
+    if not est["gradient_checkpointing"] and parts["activations"] > 0.1 * device:
+        tips.append((parts["activations"], f"{est['model_key']}.enable_gradient_checkpointing=true", False))
+    T = est["tokens_per_micro_batch"]  # halving it halves activations; logits only below the chunk
+    logits_left = parts["logits"] * min(T // 2, LOGIT_CHUNK) / max(1, min(T, LOGIT_CHUNK))
+    tips.append((parts["activations"] / 2 + parts["logits"] - logits_left,
+                 f"halve {prefix}.ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu)", False))
+    if parts["optimizer"] > 0:
+        tips.append((parts["optimizer"] + parts["master_gradients"], f"{offload}.optimizer_offload=true", False))
+    if est["zero_stage"] < 3 and est["dp"] > 1:
+        tips.append((parts["weights"] * (1 - 1 / est["dp"]), f"{ACTOR}.deepspeed.zero_stage=3", False))
+    if est["lora16_saves_gib"] > 0:
+        tips.append((est["lora16_saves_gib"], f"{est['model_key']}.lora_rank=16", True))
+    return tips
 
 
 def check_fits(cfg, estimate: dict | None) -> None:
@@ -228,21 +280,10 @@ def check_fits(cfg, estimate: dict | None) -> None:
         if not isinstance(est, dict) or est["total_gib"] <= device:
             continue
         parts, tips = est["parts_gib"], []  # (GiB saved, change, changes what is trained)
-        if stage.startswith("update"):
-            prefix, offload = (("critic", "critic.model.fsdp_config") if stage.endswith("critic")
-                               else (ACTOR, f"{ACTOR}.fsdp_config"))
-            if not est["gradient_checkpointing"] and parts["activations"] > 0.1 * device:
-                tips.append((parts["activations"], f"{est['model_key']}.enable_gradient_checkpointing=true", False))
-            T = est["tokens_per_micro_batch"]  # halving it halves activations; logits only below the chunk
-            logits_left = parts["logits"] * min(T // 2, LOGIT_CHUNK) / max(1, min(T, LOGIT_CHUNK))
-            tips.append((parts["activations"] / 2 + parts["logits"] - logits_left,
-                         f"halve {prefix}.ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu)", False))
-            if parts["optimizer"] > 0:
-                tips.append((parts["optimizer"] + parts["master_gradients"], f"{offload}.optimizer_offload=true", False))
-            if est["zero_stage"] < 3 and est["dp"] > 1:
-                tips.append((parts["weights"] * (1 - 1 / est["dp"]), f"{ACTOR}.deepspeed.zero_stage=3", False))
-            if est["lora16_saves_gib"] > 0:
-                tips.append((est["lora16_saves_gib"], f"{est['model_key']}.lora_rank=16", True))
+        if stage == "update":  # actor and critic in one process: either's changes help
+            tips = [t for role in est["roles"] for t in _update_tips(estimate[f"update_{role}"], device)]
+        elif stage.startswith("update"):
+            tips = _update_tips(est, device)
         elif stage.startswith("logprob"):
             tips.append((parts["logits"] / 2, "halve the stage's log_prob/forward micro-batch size", False))
         else:

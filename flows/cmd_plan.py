@@ -99,6 +99,8 @@ def render_memory(memory: dict | None, cfg) -> str:
             notes.append(f"peak in the export: {est['export_gib']:.2f} GiB, training {est['train_gib']:.2f}")
         if "engine" in est:
             notes.append(f"{est['engine']} engine")
+        if "roles" in est:
+            notes.append(f"the stage: {' and '.join(est['roles'])} in one process per rank")
         out.append(f"  {stage.replace('_', ' '):<18}{est['total_gib']:>8.2f} GiB = {parts}  ({', '.join(notes)})")
     return "\n".join(out)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from configs.loader import load_config
-from configs.memory import GIB, LOGIT_CHUNK, DoesNotFit, check_fits, estimate_memory
+from configs.memory import CPU_RUNTIME_GIB, GIB, LOGIT_CHUNK, DoesNotFit, check_fits, estimate_memory
 from configs.suggest import make_plan
 from stages.model_shapes import shaped_config
 
@@ -89,3 +89,56 @@ def test_logit_chunk_is_the_models():
     from stages.models import DEFAULT_CHUNK
 
     assert LOGIT_CHUNK == DEFAULT_CHUNK
+
+
+def test_actor_and_critic_share_the_update_process(qwen_config_dir):
+    """GAE: both roles' engines live in the update's one process per rank (stages/update_worker.py),
+    each holding its weights and states for the whole stage while one at a time trains or exports."""
+    lora = ["algorithm.adv_estimator=gae", "actor_rollout_ref.model.lora_rank=16", "critic.model.lora_rank=16"]
+    cfg = config(qwen_config_dir, *lora)
+    est = estimate_memory(cfg, make_plan(cfg))
+    adapters = 16 * LAYERS * (2 * (H + H) + 2 * (H + KV) + 3 * (H + INTER))  # r (in + out), 7 projections
+    critic_w, critic_p = P + H + 1, adapters + H + 1  # value head (tied LM head: no weights dropped)
+    assert est["update_actor"]["trainable_params"] == adapters == 8_798_208
+    assert est["update_critic"]["trainable_params"] == critic_p
+    held = lambda w, p: (2 * w + 2 * p + 4 * p + 12 * p) / GIB  # noqa: E731  bf16 weights + gradients, fp32 master grads + master + AdamW
+    transient = 4 * critic_w * 2 / GIB  # the larger role's export: gathered fp32 copy + merged copy
+    update = est["update"]
+    assert update["roles"] == ["actor", "critic"]
+    assert update["parts_gib"]["actor held"] == round(held(P, adapters), 3)
+    assert update["parts_gib"]["critic held"] == round(held(critic_w, critic_p), 3)
+    assert update["parts_gib"]["largest transient"] == round(transient, 3)
+    by_hand = held(P, adapters) + held(critic_w, critic_p) + transient + 1
+    assert abs(update["total_gib"] - by_hand) < 0.002 and update["total_gib"] == 6.817
+    # either role alone fits 6.5 GiB, both in one process do not: refused as the update stage,
+    # with changes for either role
+    cfg = config(qwen_config_dir, *lora, "trainer.device_memory_gib=6.5")
+    est = estimate_memory(cfg, make_plan(cfg))
+    assert est["update_actor"]["total_gib"] < 6.5 and est["update_critic"]["total_gib"] < 6.5
+    with pytest.raises(DoesNotFit) as err:
+        check_fits(cfg, est)
+    assert err.value.stage == "update" and "the update stage needs ~6.8 GiB" in str(err.value)
+    assert any(s.startswith("halve critic.") for s in err.value.suggestions)
+    assert any(s.startswith("halve actor_rollout_ref.actor.") for s in err.value.suggestions)
+    grpo = config(qwen_config_dir, "algorithm.adv_estimator=grpo")
+    assert "update" not in estimate_memory(grpo, make_plan(grpo))  # one role: update_actor is the stage
+
+
+def test_on_the_cpu_a_bf16_forward_reads_the_fp32_checkpoint(qwen_config_dir):
+    """trainer.device=cpu: host memory is the device's, so loading the update's fp32 export into a
+    bf16 model holds the checkpoint's pages (4 bytes a parameter) beside the cast copy; a CPU
+    process's own runtime is CPU_RUNTIME_GIB (bench/scale.py measured both)."""
+    gae = ["algorithm.adv_estimator=gae", "trainer.device=cpu"]
+    critic_w = P + H + 1
+    bf16 = estimate_memory(cfg := config(qwen_config_dir, *gae), make_plan(cfg))["logprob_critic"]
+    forward_bf16 = 2 * critic_w + bf16["tokens_per_micro_batch"] * 2 * (8 * H + 2 * KV + 4 * INTER) + 12 * 1024
+    assert bf16["parts_gib"]["fp32 checkpoint read"] == round(4 * critic_w / GIB, 3)
+    assert bf16["parts_gib"]["runtime"] == CPU_RUNTIME_GIB == 0.5
+    assert bf16["total_gib"] == bf16["load_gib"] == round((2 * critic_w + 4 * critic_w) / GIB + 0.5, 3)
+    assert forward_bf16 < 4 * critic_w  # the load, not the forward, is the peak here
+    fp32 = estimate_memory(cfg := config(qwen_config_dir, *gae, "actor_rollout_ref.actor.deepspeed.dtype=fp32"),
+                           make_plan(cfg))["logprob_critic"]
+    assert fp32["parts_gib"]["fp32 checkpoint read"] == 0  # the folder's own dtype: no cast, no second copy
+    cuda = estimate_memory(cfg := config(qwen_config_dir, "algorithm.adv_estimator=gae"), make_plan(cfg))
+    assert cuda["logprob_critic"]["parts_gib"]["fp32 checkpoint read"] == 0  # on a GPU the read is host memory
+    assert cuda["logprob_critic"]["parts_gib"]["runtime"] == 1.0
