@@ -1,6 +1,7 @@
 """What a step shows: verl-style metrics and console line, and the Prefect artifacts of a step
 (a markdown summary, a samples table and a link per stage parquet, keyed per experiment so they
-version over steps), published off the step's critical path by PUBLISHER (flows.step.rl_step)."""
+version over steps), published off the step's critical path by the session's publisher
+(background_publisher(session): one per session, used by flows.step.rl_step)."""
 from __future__ import annotations
 
 from storage.artifacts import read_file, read_manifest

@@ -5,8 +5,9 @@
    partitions[r]. The permutation (rank 0's rows, then rank 1's, ...) is stored in the manifest
    extra["permutation"], and each output row's rank in the `rank` column; the artifact itself
    stays in rollout order.
-2. Each rank runs, per role, forwards in micro-batches from stages.binning.micro_batches, the
-   grouping the update uses too, and puts the outputs back in row order:
+2. Each rank runs, per pass (the LogprobPass objects of PASSES that the plan needs), forwards in
+   micro-batches from stages.binning.micro_batches, the grouping the update uses too, and puts
+   the outputs back in row order:
    - static: `*_micro_batch_size_per_gpu` consecutive rows, one sequence per tensor row, or with
      model.use_remove_padding the micro-batch's sequences packed into bins (several whole
      sequences per tensor row, positions restarting per sequence);
@@ -31,6 +32,8 @@ from __future__ import annotations
 import gc
 import socket
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -64,11 +67,11 @@ def run(ctx) -> dict:
     n_rows = rollout.num_rows
     world = ctx.plan["actor"]["dp_size"]
     check_inputs(ctx, rollout, world)
-    if not _roles(ctx.plan):  # no pass at all: old log-probs come from the update's forward
+    if not passes(ctx.plan):  # no pass at all: old log-probs come from the update's forward
         return _write_without_passes(ctx, rollout, world, t0)
     device = str(ctx.get("trainer.device") or "cpu")
     results = run_ranks("stages.logprob", ctx, world, device=device)
-    columns = {name: [None] * n_rows for name in _output_columns(ctx.plan)}
+    columns = {name: [None] * n_rows for p in passes(ctx.plan) for name in p.columns(ctx.plan)}
     rank_of = [None] * n_rows
     for rank, result in enumerate(results):
         for pos, row in enumerate(result["rows"]):
@@ -81,7 +84,7 @@ def run(ctx) -> dict:
     columns["rank"] = rank_of
     table = make_table("logprob", columns)
     permutation = [row for result in results for row in result["rows"]]
-    extra = {"world": world, "permutation": permutation, "passes": _roles(ctx.plan),
+    extra = {"world": world, "permutation": permutation, "passes": [p.name for p in passes(ctx.plan)],
              "loads": {role: [r["loads"][role] for r in results] for role in results[0]["loads"]},
              "micro_batches": {role: [r["micro_batches"][role] for r in results]
                                for role in results[0]["micro_batches"]},
@@ -121,37 +124,133 @@ def check_inputs(ctx, rollout, world: int) -> None:
         raise ValueError(f"rollout.parquet of step {ctx.step} has no rows")
     if rollout.num_rows % world:
         raise ValueError(f"{rollout.num_rows} rollout rows are not divisible by {world} logprob ranks")
-    if "actor" in _roles(ctx.plan):
-        models.check_model_folder(ctx.actor_weights(), "actor_rollout_ref.model.path (policy)")
-    if ctx.plan.get("ref") is not None:
-        models.check_model_folder(ctx.reference_weights(), "reference policy (actor_rollout_ref.model.path)")
-    if ctx.plan.get("critic") is not None and ctx.step <= 1:
-        models.check_model_folder(critic_weights(ctx), "critic.model.path")
+    for lp_pass in passes(ctx.plan):
+        lp_pass.check_folder(ctx)
     seqlens = [len(p) + len(r) for p, r in zip(rollout.column("prompt_ids").to_pylist(),
                                                rollout.column("response_ids").to_pylist())]
     longest = max(seqlens)
-    for role in _roles(ctx.plan):
-        _, dynamic, budget = _role_sizes(ctx.plan, role)
+    for lp_pass in passes(ctx.plan):
+        _, dynamic, budget = lp_pass.sizes(ctx.plan)
         if dynamic and (budget is None or budget < longest):
-            raise ValueError(f"{BUDGET_KEYS[role]}={budget} is below the longest sequence: row "
+            raise ValueError(f"{lp_pass.budget_key}={budget} is below the longest sequence: row "
                              f"{seqlens.index(longest)} has {longest} tokens (prompt + response); "
                              f"a sequence is never split across micro-batches")
 
 
-BUDGET_KEYS = {"actor": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-               "ref": "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-               "critic": "critic.forward_max_token_len_per_gpu"}
+# ---- the forward passes, as objects -----------------------------------------------------------
+@dataclass(frozen=True)
+class LogprobPass:
+    """One forward pass of the stage: where the plan keeps its micro-batching, the config keys of
+    its packing and token budget, how its model loads and which columns its forward gives.
+    rank_main runs every pass alike without asking which one it holds (as stages.update_roles)."""
+    name: str            # plan entry; key of out/extra "loads", "micro_batches", "timings"; printed
+    section: str         # plan section of its micro-batching
+    size_keys: tuple     # (rows per micro-batch, dynamic?, token budget) keys in that section
+    padding_key: str     # use_remove_padding: static micro-batches packed into bins too
+    budget_key: str      # the token budget's config key (errors; flows/plots.py via BUDGET_KEYS)
+    folder_label: str    # how check_inputs names a missing model folder
+    weights: Callable    # ctx -> its model folder
+    switch: str = ""     # plan[section] flag that turns the pass off (default on)
+
+    def needed(self, plan) -> bool:
+        section = plan.get(self.section)
+        return section is not None and (not self.switch or bool(section.get(self.switch, True)))
+
+    def sizes(self, plan) -> tuple:
+        """(rows per micro-batch, dynamic?, token budget) from the plan."""
+        return tuple(plan[self.section][key] for key in self.size_keys)
+
+    def packed(self, ctx, dynamic) -> bool:
+        return dynamic or bool(ctx.get(self.padding_key))  # a token budget always packs (binning)
+
+    def check_folder(self, ctx) -> None:
+        models.check_model_folder(self.weights(ctx), self.folder_label)
+
+    def columns(self, plan) -> list[str]:
+        raise NotImplementedError
+
+    def load(self, ctx, dtype: str, device):
+        raise NotImplementedError
+
+    def forward(self, model, batch, temperature, sum_pi_squared: bool = False) -> dict:
+        """Per-row float32 numpy arrays (response length) of one micro-batch
+        (binning.collate_bins), rows in bin order."""
+        raise NotImplementedError
 
 
-def _output_columns(plan) -> list[str]:
-    names = ["old_log_probs", "entropy"] if "actor" in _roles(plan) else []
-    if names and plan["rollout"].get("sum_pi_squared"):  # optimal_token_baseline / actor.calculate_sum_pi_squared
-        names.append("sum_pi_squared")
-    if plan.get("ref") is not None:
-        names.append("ref_log_probs")
-    if plan.get("critic") is not None:
-        names.append("values")
-    return names
+@dataclass(frozen=True)
+class PolicyPass(LogprobPass):
+    """A policy's log-probs of logits / rollout.temperature; with `stats` (the actor's old pass)
+    also entropy and, when `sum_pi_squared`, Σ_v π_v² per token."""
+    column: str = ""
+    stats: bool = False
+
+    def columns(self, plan) -> list[str]:
+        # sum_pi_squared: optimal_token_baseline / actor.calculate_sum_pi_squared
+        extra = ["entropy"] + (["sum_pi_squared"] if plan["rollout"].get("sum_pi_squared") else [])
+        return [self.column] + (extra if self.stats else [])
+
+    def load(self, ctx, dtype: str, device):
+        return models.load_policy(self.weights(ctx), dtype=dtype, device=device)
+
+    def forward(self, model, batch, temperature, sum_pi_squared: bool = False) -> dict:
+        import torch
+
+        lengths = batch["response_lengths"]
+        with torch.inference_mode():
+            logp, ent, pi2 = models.response_stats(model, batch, temperature=temperature, with_entropy=self.stats,
+                                                   chunk_size=CHUNK, with_sum_pi_squared=self.stats and sum_pi_squared)
+        out = {self.column: _split(logp, lengths)}
+        if self.stats:
+            out["entropy"] = _split(ent, lengths)
+        if pi2 is not None:
+            out["sum_pi_squared"] = _split(pi2, lengths)
+        return out
+
+
+@dataclass(frozen=True)
+class ValuePass(LogprobPass):
+    """The critic's values (a value head, seeded as the update stage's)."""
+
+    def columns(self, plan) -> list[str]:
+        return ["values"]
+
+    def load(self, ctx, dtype: str, device):
+        return models.load_critic(self.weights(ctx), dtype=dtype, device=device, seed=critic_seed(ctx))
+
+    def check_folder(self, ctx) -> None:
+        if ctx.step <= 1:  # later steps read the store's weights/critic_step_{k-1}
+            super().check_folder(ctx)
+
+    def forward(self, model, batch, temperature, sum_pi_squared: bool = False) -> dict:
+        import torch
+
+        with torch.inference_mode():
+            return {"values": _split(models.response_values(model, batch), batch["response_lengths"])}
+
+
+_POLICY_SIZES = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+# in run order: actor (old log-probs, unless the update's own forward replaces them: plan
+# rollout.old_log_prob_pass), ref (with KL: plan["ref"] not None), critic (plan["critic"] not None)
+PASSES = (
+    PolicyPass("actor", "rollout", _POLICY_SIZES, "actor_rollout_ref.model.use_remove_padding",
+               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "actor_rollout_ref.model.path (policy)",
+               lambda ctx: ctx.actor_weights(), switch="old_log_prob_pass", column="old_log_probs", stats=True),
+    PolicyPass("ref", "ref", _POLICY_SIZES, "actor_rollout_ref.model.use_remove_padding",
+               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+               "reference policy (actor_rollout_ref.model.path)", lambda ctx: ctx.reference_weights(),
+               column="ref_log_probs"),
+    ValuePass("critic", "critic", ("forward_micro_batch_size_per_gpu", "use_dynamic_bsz",
+                                   "forward_max_token_len_per_gpu"),
+              "critic.model.use_remove_padding", "critic.forward_max_token_len_per_gpu", "critic.model.path",
+              lambda ctx: critic_weights(ctx)),
+)
+BUDGET_KEYS = {p.name: p.budget_key for p in PASSES}
+
+
+def passes(plan) -> list[LogprobPass]:
+    """The forward passes this step needs, in run order."""
+    return [p for p in PASSES if p.needed(plan)]
 
 
 # ---- one rank --------------------------------------------------------------------------------
@@ -177,32 +276,27 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     temperature = float(ctx.get("actor_rollout_ref.rollout.temperature") or 1.0)
     plan = ctx.plan
 
-    for role in _roles(plan):
-        t0 = time.perf_counter()
-        micro_size, dynamic, budget = _role_sizes(plan, role)
-        packed = dynamic or _remove_padding(ctx, role)  # a token budget always packs (binning)
+    for lp_pass in passes(plan):
+        role, t0 = lp_pass.name, time.perf_counter()
+        micro_size, dynamic, budget = lp_pass.sizes(plan)
+        packed = lp_pass.packed(ctx, dynamic)
         micro = binning.micro_batches(my_lens, rows_per_micro=micro_size, budget=budget, dynamic=dynamic,
-                                      packed=packed, all_reduce=world > 1, budget_key=BUDGET_KEYS[role])
+                                      packed=packed, all_reduce=world > 1, budget_key=lp_pass.budget_key)
         load = binning.micro_batch_load(my_lens, micro)
         load["packed"] = packed
         load["token_budget"] = budget if dynamic else None
         out["loads"][role] = load
         out["micro_batches"][role] = micro_batch_records(mine, my_lens, micro)
         print(f"logprob step {ctx.step} {role} " + batching.format_load_line(rank, load), flush=True)
-        if role == "critic":
-            model = models.load_critic(critic_weights(ctx), dtype=dtype, device=device,
-                                       seed=critic_seed(ctx))
-        else:
-            path = ctx.actor_weights() if role == "actor" else ctx.reference_weights()
-            model = models.load_policy(path, dtype=dtype, device=device)
+        model = lp_pass.load(ctx, dtype, device)
         pad_id = _pad_id(model)
         chunks = {}
         t_fwd, c_fwd = time.perf_counter(), time.process_time()
         with progress(f"logprob {role}", total=len(micro), unit="micro-batch", rank=rank) as bar:
             for mb in micro:
                 batch = binning.collate_bins([[rows[i] for i in b] for b in mb], pad_id, device=device)
-                for name, values in _forward(role, model, batch, temperature,
-                                             bool(plan["rollout"].get("sum_pi_squared"))).items():
+                for name, values in lp_pass.forward(model, batch, temperature,
+                                                    bool(plan["rollout"].get("sum_pi_squared"))).items():
                     chunks.setdefault(name, []).append(values)
                 bar.update(1)
         out["timings"][f"{role}_forward_s"] = round(time.perf_counter() - t_fwd, 4)
@@ -230,53 +324,7 @@ def runs_on_ranks(plan) -> bool:
     """Whether the stage runs forward passes on the plan's ranks (else it only writes each row's
     rank: the old log-probs come from the update's own forward). flows/step.py places logprob
     with the update's deployment only then."""
-    return bool(_roles(plan))
-
-
-def _roles(plan) -> list[str]:
-    """The forward passes this step needs: actor (old log-probs, unless the update's own forward
-    replaces them: plan rollout.old_log_prob_pass), ref (with KL), critic (values)."""
-    roles = ["actor"] if plan["rollout"].get("old_log_prob_pass", True) else []
-    if plan.get("ref") is not None:
-        roles.append("ref")
-    if plan.get("critic") is not None:
-        roles.append("critic")
-    return roles
-
-
-def _role_sizes(plan, role: str):
-    """(rows per micro-batch, dynamic?, token budget) of a role from the plan."""
-    if role == "critic":
-        c = plan["critic"]
-        return c["forward_micro_batch_size_per_gpu"], c["use_dynamic_bsz"], c["forward_max_token_len_per_gpu"]
-    p = plan["rollout"] if role == "actor" else plan["ref"]
-    return p["log_prob_micro_batch_size_per_gpu"], p["log_prob_use_dynamic_bsz"], p["log_prob_max_token_len_per_gpu"]
-
-
-def _remove_padding(ctx, role: str) -> bool:
-    """use_remove_padding: static micro-batches pack their sequences into bins too."""
-    key = "critic.model.use_remove_padding" if role == "critic" else "actor_rollout_ref.model.use_remove_padding"
-    return bool(ctx.get(key))
-
-
-def _forward(role, model, batch, temperature, sum_pi_squared: bool = False) -> dict:
-    """Per-row float32 numpy arrays (response length) of one micro-batch (binning.collate_bins),
-    rows in bin order. The actor's pass also gives Σ_v π_v² per token when `sum_pi_squared`."""
-    import torch
-
-    lengths = batch["response_lengths"]
-    with torch.inference_mode():
-        if role == "critic":
-            return {"values": _split(models.response_values(model, batch), lengths)}
-        actor = role == "actor"
-        logp, ent, pi2 = models.response_stats(model, batch, temperature=temperature, with_entropy=actor,
-                                               chunk_size=CHUNK, with_sum_pi_squared=actor and sum_pi_squared)
-    if role == "ref":
-        return {"ref_log_probs": _split(logp, lengths)}
-    out = {"old_log_probs": _split(logp, lengths), "entropy": _split(ent, lengths)}
-    if pi2 is not None:
-        out["sum_pi_squared"] = _split(pi2, lengths)
-    return out
+    return bool(passes(plan))
 
 
 def _split(tensor, lengths) -> list:
