@@ -237,6 +237,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
     session = RunSession(retries=int(orch.get("storage_retries", 5)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
                          retryable=is_retryable)
     try:
+        session.spawner = start_fork_server(cfg, plan)  # first: its imports overlap the set-up below
         if fork:  # NEW references SRC's finished work up to the fork point
             from flows.fork import create_fork
 
@@ -262,7 +263,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
             warm = getattr(stage_module("rollout"), "warm_up", None)
             if warm is not None:
                 warm(run.context(1, step_extra(dataset, 1, total)))
-        pool = session.rank_pool = start_rank_pool(cfg, plan)  # in the background too
+        pool = session.rank_pool = start_rank_pool(cfg, plan, session.spawner)  # in the background too
         if (cfg.get("warmstart") or {}).get("enable"):  # stages.warmstart: step 0, once, resumable
             from flows.step import task_result, retry_options, stage_task
 
@@ -336,7 +337,23 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def start_rank_pool(cfg: dict, plan: dict):
+def start_fork_server(cfg: dict, plan: dict):
+    """The run's fork server (stages.zygote) when it has CPU processes to fork: ranks of a pool
+    on this machine, or hf rollout workers (more than one replica); else None."""
+    trainer, orch = cfg["trainer"], cfg["orchestration"]
+    if not orch.get("fork_server", True) or orch["mode"] != "local" or str(trainer["device"]) != "cpu":
+        return None
+    ranks = plan["n_gpus"] > 1 and trainer.get("launcher") != "deepspeed"
+    workers = (cfg["actor_rollout_ref"]["rollout"]["name"] == "hf"
+               and int((plan.get("rollout") or {}).get("num_replicas") or 1) > 1)
+    if not (ranks or workers):
+        return None
+    from stages.zygote import Zygote
+
+    return Zygote.start()
+
+
+def start_rank_pool(cfg: dict, plan: dict, spawner=None):
     """One long-lived group of ranks for the whole run (stages.rank_pool): logprob and update of
     every step reuse it instead of paying a torchrun launch and a DeepSpeed set-up each time. Each
     rank is a process of the pool and keeps its DeepSpeed engine for the run (stages.update_worker).
@@ -350,7 +367,7 @@ def start_rank_pool(cfg: dict, plan: dict):
         return None
     from stages.rank_pool import RankPool
 
-    pool = RankPool(world, str(trainer["device"]), hostfile=hostfile,
+    pool = RankPool(world, str(trainer["device"]), hostfile=hostfile, spawner=spawner,
                     heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"]))
     pool.start(wait=False)  # the ranks start while the first rollout runs; the first job waits
     return pool

@@ -1,5 +1,7 @@
 """A persistent pool of N ranks: one torchrun job per training run, reused by every N-rank stage
 (logprob, update) of every step, instead of one launch (6-13 s + imports + engine set-up) per call.
+On one CPU machine with a fork server (stages.zygote, the run session's `spawner`) the ranks are
+forked from it (torch, transformers and DeepSpeed already imported) in place of torchrun.
 
     with RankPool(world=2, device="cpu") as pool:     # starts `stages.rank_server` under torchrun
         session.rank_pool = pool                        # run_ranks(...) with ctx.session submits to it
@@ -14,13 +16,13 @@
   every rank reported. If a rank is stuck (its peer failed before a collective: the others
   did not report within `grace_s`), or frozen (its heartbeat file, touched every 2 s by a
   thread of the rank, is older than `heartbeat_timeout_s`: SIGSTOP, a hang holding the GIL), or
-  a job runs past its timeout, or a rank process died (torchrun then stops the others), the
+  a job runs past its timeout, or a rank process died (the launcher then stops the others), the
   pool is stopped, the error raised naming the rank, and the next submit starts a fresh pool.
 - A run's pool is passed, not found: the training flow sets its session's `rank_pool`
   (stages.session), and stages.launch.run_ranks submits a context's N-rank jobs there when world
   and device match. Another process may submit to a pool it is given the work dir of
   (RankPool.attach; it cannot restart it).
-- close() writes a stop file, waits for torchrun to exit, then kills its process group; an
+- close() writes a stop file, waits for the launcher (torchrun or the forked leader) to exit, then kills its process group; an
   atexit hook closes pools left open.
 """
 from __future__ import annotations
@@ -45,11 +47,12 @@ ERROR_TAIL = 4000
 
 class RankPool:
     def __init__(self, world: int, device: str = "cpu", work_dir=None, start_timeout_s: float = 600,
-                 grace_s: float = 30.0, heartbeat_timeout_s: float = 60.0, hostfile=None):
+                 grace_s: float = 30.0, heartbeat_timeout_s: float = 60.0, hostfile=None, spawner=None):
         if world < 2:
             raise ValueError(f"a rank pool needs world >= 2 (world 1 runs in-process), got {world}")
         self.world, self.device = int(world), str(device)
         self.hostfile = hostfile  # None: torchrun on this machine; else DeepSpeed's launcher over it
+        self.spawner = spawner  # stages.zygote.Zygote: CPU ranks forked from it instead of torchrun
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir) if work_dir else scratch_dir("pool")
         self.start_timeout_s, self.grace_s = start_timeout_s, grace_s
@@ -106,32 +109,51 @@ class RankPool:
         err = (self.work_dir / "stderr.txt").open("ab")
         self._out_offset = (self.work_dir / "stdout.txt").stat().st_size
         try:
-            self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=err,
-                                         start_new_session=True)
+            self._forked = self.forked()
+            if self._forked:  # torchrun's job done by a fork of the run's fork server: no imports
+                self.proc = self.spawner.popen_group(self.world, "stages.rank_server:main", server[1:], env,
+                                                     int(env["MASTER_PORT"]), stdout=out, stderr=err,
+                                                     new_session=True)
+            else:
+                self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=err,
+                                             start_new_session=True)
         finally:
             out.close()
             err.close()
         self.starts += 1
         self._err_offset = (self.work_dir / "stderr.txt").stat().st_size
-        (self.work_dir / "pool.json").write_text(json.dumps(
-            {"pid": self.proc.pid, "world": self.world, "device": self.device, "hostfile": self.hostfile}))
+        if self._forked:  # a forked group's pid is known once the fork server forked it: wait_ready
+            (self.work_dir / "pool.json").unlink(missing_ok=True)
+        else:
+            self._write_pool_json()
         _OPEN.add(self)
         self._started_at = time.monotonic()
         if wait:
             self.wait_ready()
+
+    def _write_pool_json(self) -> None:
+        (self.work_dir / "pool.json").write_text(json.dumps(
+            {"pid": self.proc.pid, "world": self.world, "device": self.device, "hostfile": self.hostfile}))
+
+    def forked(self) -> bool:
+        """True when the ranks are forked from the fork server (CPU, one machine) instead of torchrun."""
+        return (self.spawner is not None and self.hostfile is None and self.device == "cpu"
+                and self.spawner.alive())
 
     def wait_ready(self) -> None:
         """Wait until every rank of the started pool has its process group (or fail naming why)."""
         deadline = getattr(self, "_started_at", time.monotonic()) + self.start_timeout_s
         while not all((self.work_dir / f"ready_{r}").exists() for r in range(self.world)):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"rank pool did not start (torchrun exit code {self.proc.returncode}); "
+                raise RuntimeError(f"rank pool did not start (launcher exit code {self.proc.returncode}); "
                                    f"stderr tail:\n{self._stderr_tail()}")
             if time.monotonic() > deadline:
                 self._stop_process()
                 raise RuntimeError(f"rank pool: ranks not ready after {self.start_timeout_s} s; "
                                    f"stderr tail:\n{self._stderr_tail()}")
             time.sleep(0.05)
+        if not (self.work_dir / "pool.json").exists():
+            self._write_pool_json()
 
     def alive(self) -> bool:
         if not self.owner:

@@ -12,7 +12,9 @@ start once per run:
   checksum, ...), made once per run; also what a stage keeps between its own calls (the update's
   DeepSpeed engines: stages.update_worker), released by `on_close`;
 - `rank_pool`: the run's resident ranks (stages.rank_pool), set by the training flow;
-  stages.launch.run_ranks submits N-rank jobs to it instead of launching them.
+  stages.launch.run_ranks submits N-rank jobs to it instead of launching them;
+- `spawner`: a fork server (stages.zygote) that imported torch, transformers and DeepSpeed once;
+  the CPU rank pool and hf rollout workers are forked from it (set by the training flow).
 
 A rank process of the pool has a session of its own (stages.rank_server), so what a stage keeps
 there lives as long as the pool.
@@ -39,6 +41,7 @@ class RunSession:
         self.retryable = retryable or (lambda exc: False)
         self._on_close: dict = {}
         self.rank_pool = None  # stages.rank_pool.RankPool of this run (not closed by the session)
+        self.spawner = None  # stages.zygote.Zygote: CPU workers and ranks forked, not started (closed last)
         self.closed = False
 
     def on_close(self, name: str, fn) -> None:
@@ -52,7 +55,7 @@ class RunSession:
         if self._engines is None:
             from stages.engines.service import RolloutEngines
 
-            self._engines = RolloutEngines(resident=True, log_dir=self.log_dir)
+            self._engines = RolloutEngines(resident=True, log_dir=self.log_dir, spawner=self.spawner)
         return self._engines
 
     def scorers(self, spec: dict, num_workers: int, timeout_s: float):
@@ -146,6 +149,9 @@ class RunSession:
         for fn in self._on_close.values():
             fn()
         self._on_close.clear()
+        if self.spawner is not None:
+            self.spawner.close()
+            self.spawner = None
 
     def __enter__(self) -> "RunSession":
         return self

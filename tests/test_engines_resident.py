@@ -10,6 +10,7 @@ import pytest
 from stages.engines import EngineOptions, Sampling, derive_seed
 from stages.engines.service import RolloutEngines
 from stages.tiny_model import save_tiny_model
+from stages.zygote import Zygote
 
 ROLLOUT = {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 32, "max_num_batched_tokens": 256,
            "hf_generate_batch_size": 2}
@@ -40,13 +41,14 @@ def _generate(engines, engine, model_dir, replicas=1):
     return [(g.response_ids, g.log_probs) for g in gens], options.timings
 
 
-@pytest.mark.parametrize("engine, replicas", [("hf", 2), ("vllm", 1)])
-def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models, engine, replicas):
-    """Worker processes (vLLM; hf with several replicas): started once, new weights loaded into
-    them, a killed one restarted (started afresh on the new weights); every time the rows equal a
-    freshly started engine's."""
+@pytest.mark.parametrize("engine, replicas, forked", [("hf", 2, False), ("hf", 2, True), ("vllm", 1, False)])
+def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models, engine, replicas, forked):
+    """Worker processes (vLLM; hf with several replicas, also forked from a run's fork server,
+    stages.zygote): started once, new weights loaded into them, a killed one restarted (started
+    afresh on the new weights); every time the rows equal a freshly started engine's."""
     a, b = models
-    resident = RolloutEngines(resident=True)
+    spawner = Zygote.start() if forked else None
+    resident = RolloutEngines(resident=True, spawner=spawner)
     try:
         rows_a, first = _generate(resident, engine, a, replicas)
         pids = resident.pids()
@@ -63,8 +65,12 @@ def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models,
         assert resident.pids()[1:] == pids[1:] and resident.pids()[0] != pids[0]
         assert resident.starts == replicas + 1 and fourth["started"] == 1
         assert restarted == rows_b
+        if forked:  # the workers are the fork server's children, not this process's
+            assert all(os.getppid() != pid for pid in pids) and resident.workers[0].proc.zygote is spawner
     finally:
         resident.close()
+        if spawner is not None:
+            spawner.close()
     assert resident.pids() == []
     if engine == "hf":  # vLLM: the restarted worker above was such a fresh start (and the rollout
         # stage's one-off path is tests/test_engines_vllm.py's); a vLLM start costs ~20 s here

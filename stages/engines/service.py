@@ -37,8 +37,9 @@ def in_process_resident(specs) -> bool:
 
 
 class RolloutEngines:
-    def __init__(self, resident: bool = True, log_dir=None):
+    def __init__(self, resident: bool = True, log_dir=None, spawner=None):
         self.resident = resident
+        self.spawner = spawner  # stages.zygote.Zygote: hf CPU workers are forked from it
         self._own_log_dir = log_dir is None  # removed on close (a failure quotes its log tail)
         self.log_dir = str(log_dir or scratch_dir("engines"))
         self.workers: dict[int, EngineWorker] = {}
@@ -142,7 +143,7 @@ class RolloutEngines:
             return
         if worker is not None:
             worker.close()
-        worker = EngineWorker(spec, self.log_dir)
+        worker = EngineWorker(spec, self.log_dir, spawner=self.spawner)
         worker.send("start", spec)
         worker.started = False
         self.workers[spec.replica] = worker

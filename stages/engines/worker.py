@@ -35,7 +35,7 @@ class WorkerDied(EngineError):
 class EngineWorker:
     """The parent's handle on one worker process."""
 
-    def __init__(self, spec, log_dir, env: dict | None = None):
+    def __init__(self, spec, log_dir, env: dict | None = None, spawner=None):
         import socket
         from multiprocessing.connection import Connection
 
@@ -52,11 +52,16 @@ class EngineWorker:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env = engine_class(spec.engine).process_env(spec, env)
+        forked = spawner is not None and spawner.alive() and spec.engine == "hf" and spec.device == "cpu"
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "stages.engines.worker", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT)
+            if forked:  # from the run's fork server (stages.zygote): torch and transformers are imported
+                self.proc = spawner.popen("stages.engines.worker:main", ["{fd0}"], env, stdout=log, stderr=log,
+                                          pass_fds=(theirs.fileno(),))
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "stages.engines.worker", str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),), env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT)
         theirs.close()
         self.conn = Connection(ours.detach())
 
@@ -200,6 +205,11 @@ def serve(fd: int) -> int:
         value = reply = None
         gc.collect()
         gc.freeze()
+
+
+def main(args: list) -> int:
+    """The entry point a fork server calls (stages.zygote): args = [fd]."""
+    return serve(int(args[0]))
 
 
 if __name__ == "__main__":

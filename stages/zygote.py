@@ -1,0 +1,351 @@
+"""A fork server for a run's CPU worker processes: one Python imports torch, transformers and
+DeepSpeed once, and the rank pool's ranks and the hf rollout workers are forked from it instead of
+each starting a fresh interpreter that imports them again.
+
+    spawner = Zygote.start()                          # owned by the run's session (stages.session)
+    proc = spawner.popen("stages.rank_server:main", [work_dir, "cpu", pid], env, stdout=f, stderr=f)
+    proc.poll(), proc.wait(timeout), proc.kill()      # as subprocess.Popen's
+    group = spawner.popen_group(2, "stages.rank_server:main", [...], env, ...)   # torchrun's job
+    spawner.close()
+
+Why: on the 2-core demo machine a 2-rank run started five Pythons in its first step (torchrun's
+launcher, two ranks, two rollout workers), each importing torch (+ transformers, + DeepSpeed):
+2-3 s of CPU each, all at once. Forked from one process that did it once, they cost milliseconds.
+
+What a child gets, as from `python -m`: the environment it is given (torch's intra-op threads set
+from its OMP_NUM_THREADS: libgomp read the variable when the zygote imported torch), the working
+directory, stdin from /dev/null, stdout/stderr on the given files, its own session when asked
+(`new_session`, as Popen's start_new_session), and fds passed to it (their numbers in the child
+replace "{fd0}", "{fd1}", ... in its arguments). It dies with the zygote (PR_SET_PDEATHSIG), and
+the zygote dies with its owner (PDEATHSIG, and its socket's end). Its exit code reaches the owner
+through a pipe the zygote writes when it reaps it. A group (`popen_group`) is one forked leader
+that forks the ranks with RANK/WORLD_SIZE/MASTER_* set, waits for them and, when one fails, stops
+the others and exits with its code (what `torchrun --standalone` does for us on one machine).
+
+Only for CPU work: nothing here initialises CUDA, but a GPU run's processes keep their launchers
+(torchrun, DeepSpeed's) and fresh interpreters."""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+PRELOAD = ("torch", "transformers", "transformers.models.auto.modeling_auto", "deepspeed", "stages.update_worker",
+           "stages.logprob", "stages.engines.hf", "stages.engines.worker", "stages.rank_server")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_MESSAGE = 1 << 20
+MAX_FDS = 16
+
+
+def _set_death_signal(sig=signal.SIGKILL) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Zygote:
+    """The owner's handle on the fork server."""
+
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket):
+        import threading
+
+        self.proc, self.sock = proc, sock
+        self._pending: list = []  # ForkedProcess handles whose reply (pid) has not been read, in order
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, preload=PRELOAD, env: dict | None = None) -> "Zygote":
+        """Start the server; it imports `preload` in the background (the first popen waits)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ if env is None else env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        proc = subprocess.Popen([sys.executable, "-m", "stages.zygote", str(theirs.fileno()), ",".join(preload)],
+                                pass_fds=(theirs.fileno(),), env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # children get their own
+        theirs.close()
+        return cls(proc, ours)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def popen(self, target: str, args: list, env: dict, stdout=None, stderr=None, pass_fds=(), cwd=None,
+              new_session: bool = False, group: dict | None = None) -> "ForkedProcess":
+        """Fork `target` ("module:function", called with `args`; its return value is the exit
+        code) with `env`; stdout/stderr: open files (None: the zygote's). Returns at once, also
+        while the zygote still imports: the handle learns its pid when it is first needed."""
+        request = {"target": target, "args": [str(a) for a in args], "env": dict(env),
+                   "cwd": str(cwd or REPO_ROOT), "new_session": bool(new_session), "group": group,
+                   "n_pass": len(pass_fds), "has_out": stdout is not None, "has_err": stderr is not None}
+        fds = [f.fileno() for f in (stdout, stderr) if f is not None] + [int(fd) for fd in pass_fds]
+        with self._lock:
+            try:
+                socket.send_fds(self.sock, [pickle.dumps(request)], fds)
+            except OSError as exc:
+                raise RuntimeError(f"the fork server (pid {self.proc.pid}) is gone: {exc}") from None
+            handle = ForkedProcess(self, target)
+            self._pending.append(handle)
+        return handle
+
+    def resolve(self, handle: "ForkedProcess", block: bool = True) -> bool:
+        """Read the zygote's replies (pids, in request order) until `handle` has its own;
+        block=False: only those already there. True when `handle` is resolved."""
+        with self._lock:
+            while handle._pid is None:
+                if not block and not select.select([self.sock], [], [], 0)[0]:
+                    return False
+                try:
+                    data, got, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
+                except OSError:
+                    data, got = b"", []
+                if not data:
+                    raise RuntimeError(f"the fork server (pid {self.proc.pid}) exited (code {self.proc.poll()}) "
+                                       f"before it started {handle.target}")
+                self._pending.pop(0)._started(pickle.loads(data)["pid"], got[0])
+            return True
+
+    def popen_group(self, world: int, target: str, args: list, env: dict, master_port: int, **kw) -> "ForkedProcess":
+        """`world` ranks of `target` on this machine under one leader (torchrun's role)."""
+        return self.popen(target, args, env, group={"world": int(world), "master_port": int(master_port)}, **kw)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        finally:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class ForkedProcess:
+    """subprocess.Popen's interface for a process the zygote forked (it is the zygote's child, so
+    its exit code comes through a pipe the zygote writes when it reaps it)."""
+
+    def __init__(self, zygote: Zygote, target: str):
+        self.zygote, self.target = zygote, target
+        self._pid, self.returncode, self._status = None, None, None
+
+    def _started(self, pid: int, status_fd: int) -> None:
+        self._pid, self._status = pid, status_fd
+        os.set_blocking(status_fd, False)
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid (waits for the zygote to fork it)."""
+        if self._pid is None:
+            self.zygote.resolve(self)
+        return self._pid
+
+    def poll(self):
+        if self._pid is None and not self.zygote.resolve(self, block=False):
+            if self.zygote.alive():
+                return None  # being forked (the zygote may still import)
+            self.zygote.resolve(self)  # raises: the zygote is gone
+        if self.returncode is None:
+            try:
+                data = os.read(self._status, 64)
+            except BlockingIOError:
+                return None
+            if data:
+                self.returncode = int(data.decode())
+            elif self._gone():  # the zygote died without reporting: the child died with it
+                self.returncode = -signal.SIGKILL
+            else:
+                return None
+            os.close(self._status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self._pid} ({self.target})", timeout)
+            if self._status is not None:
+                select.select([self._status], [], [], 0.05)
+            else:
+                time.sleep(0.05)
+        return self.returncode
+
+    def _gone(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+
+    def send_signal(self, sig) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# ---- the server ---------------------------------------------------------------------------------
+def _call(target: str, args: list) -> int:
+    module, _, function = target.partition(":")
+    code = getattr(importlib.import_module(module), function)(args)
+    return int(code or 0)
+
+
+def _child(request: dict, fds: list, sock: socket.socket, others: list) -> None:
+    """In the forked child: become the process `request` asks for, run it, exit."""
+    code = 1
+    try:
+        _set_death_signal()
+        sock.close()
+        for fd in others:
+            os.close(fd)
+        if request["new_session"]:
+            os.setsid()
+        fds = list(fds)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for target_fd, wanted in ((1, request["has_out"]), (2, request["has_err"])):
+            if wanted:
+                fd = fds.pop(0)
+                os.dup2(fd, target_fd)
+                os.close(fd)
+        passed = fds[:request["n_pass"]]
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        args = [a.format(**{f"fd{i}": fd for i, fd in enumerate(passed)}) if "{fd" in a else a
+                for a in request["args"]]
+        if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            sys.modules["torch"].set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        group = request.get("group")
+        sys.argv = [request["target"], *args]
+        code = _lead_group(group, request["target"], args) if group else _call(request["target"], args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child's traceback on its stderr, exit 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _lead_group(group: dict, target: str, args: list) -> int:
+    """torchrun --standalone's job: fork the ranks, wait; the first failure stops the others."""
+    world = group["world"]
+    ranks = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _set_death_signal()
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK="0",
+                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(group["master_port"]))
+                code = _call(target, args)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        ranks[pid] = rank
+
+    def stop_ranks(*_):
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    signal.signal(signal.SIGTERM, lambda *a: (stop_ranks(), os._exit(143)))
+    result = 0
+    while ranks:
+        pid, status = os.wait()
+        if pid not in ranks:
+            continue
+        ranks.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and result == 0:
+            result = code if code > 0 else 128 - code
+            print(f"zygote group: rank exited with code {code}; stopping the others", file=sys.stderr, flush=True)
+            stop_ranks()
+    return result
+
+
+def serve(fd: int, preload: list) -> int:
+    _set_death_signal()
+    sock = socket.socket(fileno=fd)
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the child that needs it fails with the error
+            pass
+    import gc
+
+    gc.collect()
+    gc.freeze()  # children share these pages; their collections skip them
+    children: dict[int, int] = {}  # pid -> write end of its status pipe
+    while True:
+        ready, _, _ = select.select([sock], [], [], 0.05)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            fd_w = children.pop(pid, None)
+            if fd_w is not None:
+                os.write(fd_w, str(os.waitstatus_to_exitcode(status)).encode())
+                os.close(fd_w)
+        if not ready:
+            continue
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+        except OSError:
+            data, fds = b"", []
+        if not data:  # the owner closed its end (or died): stop; children die with us
+            return 0
+        request = pickle.loads(data)
+        status_r, status_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(status_r)
+            _child(request, fds, sock, [status_w, *children.values()])
+        for fd in fds:
+            os.close(fd)
+        try:
+            socket.send_fds(sock, [pickle.dumps({"pid": pid})], [status_r])
+        finally:
+            os.close(status_r)
+        children[pid] = status_w
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1]), [m for m in sys.argv[2].split(",") if m]))

@@ -1,0 +1,84 @@
+"""The fork server (stages.zygote): CPU workers and ranks forked from one Python that imported
+torch, transformers and DeepSpeed once. Real processes: the children's exit codes, output, env,
+threads and passed fds; a 2-rank gloo pool forked from it runs jobs, survives a dead rank and
+leaves nothing behind; an hf rollout worker forked from it gives the same rows as a fresh one."""
+import os
+import signal
+import time
+
+import pytest
+
+from stages.rank_pool import RankPool
+from stages.zygote import ForkedProcess, Zygote
+from test_rank_pool import gone
+
+
+@pytest.fixture
+def zygote():
+    z = Zygote.start()
+    yield z
+    z.close()
+
+
+def test_forked_children_behave_like_popen(zygote, tmp_path):
+    out = (tmp_path / "out.txt").open("ab")
+    r, w = os.pipe()
+    os.write(w, b"hello through fd")
+    env = dict(os.environ, ZYGOTE_TEST="x1", OMP_NUM_THREADS="1", ZYGOTE_EXIT="7")
+    child = zygote.popen("tests._zygote_jobs:report", ["{fd0}", "a", "b"], env, stdout=out, stderr=out,
+                         pass_fds=(r,), cwd=tmp_path)
+    assert isinstance(child, ForkedProcess)
+    assert child.wait(120) == 7 and child.poll() == 7  # its return value is its exit code
+    text = (tmp_path / "out.txt").read_text()
+    assert f"args=['a', 'b'] env=x1 threads=1 fd_data=hello through fd tasks=1 cwd={tmp_path}" in text, text
+    assert child.pid not in (os.getpid(), zygote.proc.pid)
+
+    failing = zygote.popen("tests._zygote_jobs:fail", ["row 3"], dict(os.environ), stdout=out, stderr=out)
+    assert failing.wait(60) == 1
+    assert "ValueError: boom: ['row 3']" in (tmp_path / "out.txt").read_text()
+
+    sleeper = zygote.popen("tests._zygote_jobs:sleep", [], dict(os.environ), stdout=out, stderr=out,
+                           new_session=True)
+    deadline = time.monotonic() + 60
+    while "sleeping" not in (tmp_path / "out.txt").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sleeper.poll() is None and os.getpgid(sleeper.pid) == sleeper.pid  # its own session
+    with pytest.raises(Exception):
+        sleeper.wait(0.2)
+    sleeper.kill()
+    assert sleeper.wait(10) == -signal.SIGKILL
+    out.close()
+
+
+def test_children_die_with_the_zygote(zygote, tmp_path):
+    out = (tmp_path / "out.txt").open("ab")
+    sleeper = zygote.popen("tests._zygote_jobs:sleep", [], dict(os.environ), stdout=out, stderr=out)
+    pid = sleeper.pid
+    zygote.proc.kill()  # the server dies (as when its owner dies: it has PDEATHSIG on the owner)
+    zygote.proc.wait()
+    assert gone(pid, 20)
+    assert sleeper.wait(10) == -signal.SIGKILL  # reported as killed: nobody reaped it for us
+    out.close()
+
+
+def test_a_rank_pool_forked_from_the_zygote(zygote, tmp_path):
+    """torchrun's role played by a forked leader: 2 gloo ranks run jobs; a failing job is
+    reported and the pool goes on; a dead rank stops the group and the next job starts a fresh
+    one; close() leaves no process."""
+    with RankPool(2, "cpu", tmp_path / "pool", spawner=zygote) as pool:
+        assert pool.forked()
+        first = pool.submit("tests._pool_jobs", {"message": "hi"})
+        assert [r["rank"] for r in first] == [0, 1] and {r["world"] for r in first} == {2}
+        pids = [r["pid"] for r in first]
+        assert sorted(pids) == sorted(pool.rank_pids()) and zygote.proc.pid not in pids
+        with pytest.raises(RuntimeError, match="boom on rank 1"):
+            pool.submit("tests._pool_jobs", {"message": "bad", "fail_on_rank": 1})
+        assert [r["pid"] for r in pool.submit("tests._pool_jobs", {"message": "after"})] == pids
+        leader = pool.proc.pid
+        os.kill(pids[1], signal.SIGKILL)  # the leader stops rank 0 and exits, as torchrun does
+        assert gone(leader, 60)
+        restarted = pool.submit("tests._pool_jobs", {"message": "restarted"})
+        assert pool.starts == 2 and set(r["pid"] for r in restarted).isdisjoint(pids)
+        new = [r["pid"] for r in restarted] + [pool.proc.pid]
+    for pid in pids + new + [leader]:
+        assert gone(pid), f"process {pid} is still running after close()"
