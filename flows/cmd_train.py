@@ -107,7 +107,9 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
     from configs.plan import check_trainable
     from configs.schema import ConfigError
     from configs.suggest import make_plan
+    from stages.zygote import prestart
 
+    spawner = None
     try:  # refuse a bad config or plan (or fork) before any Prefect start-up
         whole = (config, overrides)
         if fork:  # flows.fork imports no Prefect at load: PREFECT_HOME is not set yet
@@ -116,6 +118,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
             whole = fork_arguments(config, overrides, fork)
         cfg = load_config(whole[0], list(whole[1]) + (
             [f"trainer.experiment_name={experiment}"] if experiment else []))
+        spawner = prestart(cfg)  # the run's fork server imports torch while the rest starts
         plan = make_plan(cfg)
         check_trainable(cfg)
         check_local_paths(cfg)
@@ -129,8 +132,22 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
             if not preexisting_fork(store, cfg, fork):
                 check_fork(store, cfg, plan, fork)
     except (ConfigError, LookupError) as exc:
+        if spawner is not None:
+            spawner.close()
         print(f"error: {exc}")
         return 2
+    except BaseException:
+        if spawner is not None:
+            spawner.close()
+        raise
+    try:
+        return _train_on_server(cfg, config, overrides, experiment, force_lock, fork)
+    finally:
+        if spawner is not None:
+            spawner.close()
+
+
+def _train_on_server(cfg: dict, config: str, overrides: list, experiment, force_lock: bool, fork) -> int:
     prefect_env(cfg["storage"]["root"])
     from storage.secrets import SECRET_OVERRIDES_ENV, split_secret_overrides
 

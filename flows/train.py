@@ -338,19 +338,13 @@ def freeze_heap() -> None:
 
 
 def start_fork_server(cfg: dict, plan: dict):
-    """The run's fork server (stages.zygote) when it has CPU processes to fork: ranks of a pool
-    on this machine, or hf rollout workers (more than one replica); else None."""
-    trainer, orch = cfg["trainer"], cfg["orchestration"]
-    if not orch.get("fork_server", True) or orch["mode"] != "local" or str(trainer["device"]) != "cpu":
-        return None
-    ranks = plan["n_gpus"] > 1 and trainer.get("launcher") != "deepspeed"
-    workers = (cfg["actor_rollout_ref"]["rollout"]["name"] == "hf"
-               and int((plan.get("rollout") or {}).get("num_replicas") or 1) > 1)
-    if not (ranks or workers):
-        return None
-    from stages.zygote import Zygote
+    """The run's fork server (stages.zygote) when it has CPU processes to fork (zygote.wanted):
+    the one its launcher started before Prefect (`stagerl train`), else a new one; else None."""
+    from stages import zygote
 
-    return Zygote.start()
+    if not zygote.wanted(cfg, plan):
+        return None
+    return zygote.Zygote.adopt() or zygote.Zygote.start()
 
 
 def start_rank_pool(cfg: dict, plan: dict, spawner=None):

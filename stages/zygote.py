@@ -43,6 +43,7 @@ PRELOAD = ("torch", "transformers", "transformers.models.auto.modeling_auto", "d
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 16
+HANDOVER_ENV = "STAGERL_FORK_SERVER"  # fd:server pid:owner pid (Zygote.hand_over / adopt)
 
 
 def _set_death_signal(sig=signal.SIGKILL) -> None:
@@ -52,6 +53,36 @@ def _set_death_signal(sig=signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def wanted(cfg: dict, plan: dict) -> bool:
+    """Whether a run forks CPU processes: ranks of a pool on this machine (no DeepSpeed launcher)
+    or hf rollout workers (more than one replica), in local mode on the CPU, with
+    orchestration.fork_server on."""
+    if not _local_cpu(cfg):
+        return False
+    ranks = plan["n_gpus"] > 1 and cfg["trainer"].get("launcher") != "deepspeed"
+    workers = (cfg["actor_rollout_ref"]["rollout"]["name"] == "hf"
+               and int((plan.get("rollout") or {}).get("num_replicas") or 1) > 1)
+    return bool(ranks or workers)
+
+
+def _local_cpu(cfg: dict) -> bool:
+    trainer, orch = cfg["trainer"], cfg["orchestration"]
+    return bool(orch.get("fork_server", True)) and orch["mode"] == "local" and str(trainer["device"]) == "cpu"
+
+
+def prestart(cfg: dict) -> "Zygote | None":
+    """For a launcher (`stagerl train`): start the run's fork server as soon as the config is
+    read, before the plan, Prefect and the flow, and offer it to the flow (Zygote.hand_over;
+    flows.train adopts it when zygote.wanted). On the config alone: more than one rank on the CPU.
+    The launcher closes it after the flow (a no-op then: the flow's session closed it)."""
+    trainer = cfg["trainer"]
+    if not _local_cpu(cfg) or int(trainer["n_gpus_per_node"]) * int(trainer["nnodes"]) < 2:
+        return None
+    server = Zygote.start()
+    server.hand_over()
+    return server
 
 
 class Zygote:
@@ -76,6 +107,32 @@ class Zygote:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # children get their own
         theirs.close()
         return cls(proc, ours)
+
+    def hand_over(self) -> None:
+        """Offer this server to a run that starts later in this process (`stagerl train` starts
+        it before Prefect, so its imports overlap Prefect's start-up): a copy of the socket and
+        the pids go in the environment (HANDOVER_ENV) until `adopt` takes them."""
+        fd = os.dup(self.sock.fileno())
+        self._offered = fd
+        os.environ[HANDOVER_ENV] = f"{fd}:{self.proc.pid}:{os.getpid()}"
+
+    @classmethod
+    def adopt(cls) -> "Zygote | None":
+        """The server this process was offered (hand_over), taken once; None if there is none,
+        it was offered to another process (the variable is inherited, the fd is not) or it died."""
+        value = os.environ.pop(HANDOVER_ENV, "")
+        try:
+            fd, pid, owner = (int(x) for x in value.split(":"))
+        except ValueError:
+            return None
+        if owner != os.getpid():
+            return None
+        sock = socket.socket(fileno=fd)
+        server = cls(_Started(pid), sock)
+        if not server.alive():
+            server.close()
+            return None
+        return server
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -120,7 +177,15 @@ class Zygote:
         return self.popen(target, args, env, group={"world": int(world), "master_port": int(master_port)}, **kw)
 
     def close(self) -> None:
+        offered = getattr(self, "_offered", None)
+        if offered is not None and os.environ.get(HANDOVER_ENV, "").startswith(f"{offered}:"):
+            os.environ.pop(HANDOVER_ENV)  # never adopted: our copy of the socket is still ours
+            os.close(offered)
         try:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # the server sees its end, whoever else holds a copy
+            except OSError:
+                pass
             self.sock.close()
         finally:
             try:
@@ -128,6 +193,36 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class _Started:
+    """Popen's poll/wait/kill for an adopted server (started, and reaped, by another handle of
+    this process)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self):
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return 0
+        return 0 if state in ("Z", "X") else None
+
+    def wait(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return 0
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class ForkedProcess:

@@ -61,6 +61,42 @@ def test_children_die_with_the_zygote(zygote, tmp_path):
     out.close()
 
 
+def test_a_launcher_hands_its_fork_server_to_the_run(tmp_path, monkeypatch):
+    """`stagerl train` starts the fork server before Prefect (prestart) and the flow adopts it:
+    taken once, only by the process it was offered to, and the run's close stops it."""
+    from configs.loader import load_config
+    from configs.suggest import make_plan
+    from stages.zygote import HANDOVER_ENV, prestart, wanted
+
+    monkeypatch.delenv(HANDOVER_ENV, raising=False)
+    one_rank = load_config("tiny-cpu", ["trainer.n_gpus_per_node=1"])
+    assert prestart(one_rank) is None and HANDOVER_ENV not in os.environ  # nothing to fork
+    cfg = load_config("tiny-cpu", [])
+    assert wanted(cfg, make_plan(cfg))
+    launcher = prestart(cfg)
+    try:
+        fd, pid, owner = (int(x) for x in os.environ[HANDOVER_ENV].split(":"))
+        assert (pid, owner) == (launcher.proc.pid, os.getpid())
+        monkeypatch.setenv(HANDOVER_ENV, f"{fd}:{pid}:{os.getppid()}")
+        assert Zygote.adopt() is None  # offered to another process (an inherited variable)
+        monkeypatch.setenv(HANDOVER_ENV, f"{fd}:{pid}:{owner}")
+        run = Zygote.adopt()
+        assert run is not None and run.proc.pid == pid and run.alive()
+        assert HANDOVER_ENV not in os.environ and Zygote.adopt() is None  # taken once
+        out = (tmp_path / "out.txt").open("ab")
+        r, w = os.pipe()
+        os.write(w, b"via adopted")
+        child = run.popen("tests._zygote_jobs:report", ["{fd0}"], dict(os.environ, ZYGOTE_TEST="adopted"),
+                          stdout=out, stderr=out, pass_fds=(r,))
+        assert child.wait(120) == 0 and "env=adopted" in (tmp_path / "out.txt").read_text()
+        t0 = time.monotonic()
+        run.close()  # the run's session closes it: the server stops though the launcher holds a copy
+        assert not run.alive() and time.monotonic() - t0 < 5
+    finally:
+        launcher.close()
+    assert launcher.proc.returncode is not None
+
+
 def test_a_rank_pool_forked_from_the_zygote(zygote, tmp_path):
     """torchrun's role played by a forked leader: 2 gloo ranks run jobs; a failing job is
     reported and the pool goes on; a dead rank stops the group and the next job starts a fresh

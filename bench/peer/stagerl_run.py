@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/peer/stagerl_run.py --out run.json --experiment NAME [--t0 T] key=value ...
 
-Runs flows.train.train(config="tiny-cpu", overrides) against the Prefect server named by
+Runs flows.train.train(config="tiny-cpu", overrides) as `stagerl train` does (the run's fork
+server started first: stages.zygote.prestart) against the Prefect server named by
 PREFECT_API_URL (bench/peer_trl.py starts one for all runs) and writes one JSON: for every step
 the wall-clock time (time.time()) at which the flow logged it and the metrics it logged, which
 include timing_s/step (the training loop's whole iteration, measured by the flow from the top of
@@ -58,6 +59,10 @@ def main() -> int:
     args = parser.parse_args()
     if not os.environ.get("PREFECT_API_URL"):
         raise SystemExit("PREFECT_API_URL is not set: bench/peer_trl.py starts the Prefect server for all runs")
+    from configs.loader import load_config
+    from stages.zygote import prestart
+
+    spawner = prestart(load_config("tiny-cpu", list(args.overrides)))  # as `stagerl train` does
     import torch
 
     import flows.train as train_mod
@@ -86,6 +91,8 @@ def main() -> int:
                 error = "".join(traceback.format_exception(exc))
     finally:
         drain_prefect_senders()
+        if spawner is not None:
+            spawner.close()
     t_done = time.time()
     root = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("storage.root=")), "./runs")
     out = {
