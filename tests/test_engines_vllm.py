@@ -75,3 +75,22 @@ def test_seeded_sampling_is_identical_across_processes_and_replica_splits(tmp_pa
         expected = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(
             -1, torch.tensor(response)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(a["rollout_log_probs"][i]), expected, atol=1e-3)
+
+
+def test_the_cpu_kv_cache_holds_max_num_seqs_sequences_in_whole_blocks(assets):
+    """vLLM gives each sequence whole 128-token blocks on the CPU: 1024 sequences of a 32-token
+    model length need 1024 blocks, not 1024 x 32 tokens' worth (256 blocks: 720 rows then ran in
+    waves). Sized for 1024 blocks + 25 %: 1280 blocks, the same for any length up to 128."""
+    import json
+
+    from stages.engines.vllm_engine import CPU_BLOCK_TOKENS, _kv_cache_bytes
+
+    model = assets[0]
+    cfg = json.loads((model / "config.json").read_text())
+    per_token = 2 * cfg["num_hidden_layers"] * (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) \
+        * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) * 4  # K and V, fp32
+    block = per_token * CPU_BLOCK_TOKENS
+    assert CPU_BLOCK_TOKENS == 128
+    for length in (32, 96, 128):
+        assert _kv_cache_bytes(model, length, 1024, "float32") == max(64 << 20, 1280 * block)
+    assert _kv_cache_bytes(model, 129, 1024, "float32") == max(64 << 20, 2 * 1280 * block)

@@ -28,14 +28,21 @@ from pathlib import Path
 from stages.engines import Engine, EngineSpec, Generation, Sampling, eos_token_ids, finish
 
 
+CPU_BLOCK_TOKENS = 128  # vLLM's KV block size on the CPU (cache_config.block_size)
+
+
 def _kv_cache_bytes(model_dir, max_model_len: int, max_num_seqs: int, dtype: str) -> int:
-    """Enough KV cache for max_num_seqs full-length sequences (+25 %, at least 64 MiB)."""
+    """Enough KV cache for max_num_seqs full-length sequences (+25 %, at least 64 MiB). A
+    sequence holds whole blocks: sized by tokens alone, 1024 sequences of 32 tokens got 320
+    blocks of 128, so vLLM ran 720 rows in waves of 320 (measured: 32 scheduler steps for 16
+    tokens, the generate 10-25 % slower)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     width = 4 if dtype in ("float32", "fp32") else 2
     per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * width
-    return max(64 << 20, int(per_token * max_model_len * max(1, max_num_seqs) * 1.25))
+    per_sequence = -(-max_model_len // CPU_BLOCK_TOKENS) * CPU_BLOCK_TOKENS
+    return max(64 << 20, int(per_token * per_sequence * max(1, max_num_seqs) * 1.25))
 
 
 def engine_kwargs(spec: EngineSpec) -> tuple[dict, list[str]]:
