@@ -43,7 +43,7 @@ GAE_LORA = LORA + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_p
 BF16 = ["actor_rollout_ref.actor.deepspeed.dtype=bf16"]  # actor and critic (stages/update_engine.py)
 VARIANTS = {"full": [], "full-nockpt": NO_CKPT, "lora16": LORA, "lora16-nockpt": LORA + NO_CKPT,
             "gae-lora16": GAE_LORA, "gae-lora16-bf16": GAE_LORA + BF16}
-DEFAULT = "full,lora16,lora16-nockpt,gae-lora16,gae-lora16-bf16"  # full-nockpt (13.4 GiB estimated): not run yet
+DEFAULT = "full,full-nockpt,lora16,lora16-nockpt,gae-lora16,gae-lora16-bf16"
 
 
 def overrides(model: Path, data: Path, root: Path, variant: str) -> list:
