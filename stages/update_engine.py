@@ -89,6 +89,10 @@ def make_engine(model, optim_cfg: dict, ds_config: dict):
     """(engine, torch AdamW) over `model`'s trainable parameters."""
     import deepspeed
 
+    from stages.deepspeed_ops import same_ninja
+
+    same_ninja()  # DeepSpeed may build an op here: with the environment's ninja, as at install
+
     params = [p for p in model.parameters() if p.requires_grad]
     betas = tuple(optim_cfg.get("betas", (0.9, 0.999)))
     optimizer = torch.optim.AdamW(params, lr=float(optim_cfg["lr"]), betas=betas,

@@ -10,3 +10,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # DeepSpeed's CPU comm op, pre-built by `make install` into the checkout (stages/deepspeed_ops.py).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("pathlib").Path(__file__).resolve().parent.parent
                                                   / ".cache" / "torch_extensions"))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """tests/test_readme.py (the README's deployment block: a Prefect server, a worker and a
+    2-step run in subprocesses, ~5 min on 2 cores) first, so that with `-n 2 --dist loadfile` it
+    runs beside other files instead of alone at the end of the suite."""
+    items.sort(key=lambda item: 0 if item.path.name == "test_readme.py" else 1)
