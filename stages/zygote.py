@@ -177,8 +177,8 @@ class Zygote:
                 pass
             self.sock.close()
         finally:
-            try:
-                self.proc.wait(timeout=10)
+            try:  # idle, it exits at once; still importing its preload it cannot: nothing to lose
+                self.proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
