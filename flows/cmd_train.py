@@ -110,39 +110,33 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
     from stages.zygote import prestart
 
     spawner = None
-    try:  # refuse a bad config or plan (or fork) before any Prefect start-up
-        whole = (config, overrides)
-        if fork:  # flows.fork imports no Prefect at load: PREFECT_HOME is not set yet
-            from flows.fork import fork_arguments
-
-            whole = fork_arguments(config, overrides, fork)
-        cfg = load_config(whole[0], list(whole[1]) + (
-            [f"trainer.experiment_name={experiment}"] if experiment else []))
-        spawner = prestart(cfg)  # the run's fork server imports torch while the rest starts
-        plan = make_plan(cfg)
-        check_trainable(cfg)
-        check_local_paths(cfg)
-        check_fits(cfg, estimate_memory(cfg, plan))  # with a known device size
-        if fork:
-            from flows.fork import check_fork, preexisting_fork
-            from storage.store import Store
-
-            prefect_env(cfg["storage"]["root"])  # check_fork reads the stage modules (flows.step: Prefect)
-            store = Store.from_config(cfg["storage"])
-            if not preexisting_fork(store, cfg, fork):
-                check_fork(store, cfg, plan, fork)
-    except (ConfigError, LookupError) as exc:
-        if spawner is not None:
-            spawner.close()
-        print(f"error: {exc}")
-        return 2
-    except BaseException:
-        if spawner is not None:
-            spawner.close()
-        raise
     try:
+        try:  # refuse a bad config or plan (or fork) before any Prefect start-up
+            whole = (config, overrides)
+            if fork:  # flows.fork imports no Prefect at load: PREFECT_HOME is not set yet
+                from flows.fork import fork_arguments
+
+                whole = fork_arguments(config, overrides, fork)
+            cfg = load_config(whole[0], list(whole[1]) + (
+                [f"trainer.experiment_name={experiment}"] if experiment else []))
+            spawner = prestart(cfg)  # the run's fork server imports torch while the rest starts
+            plan = make_plan(cfg)
+            check_trainable(cfg)
+            check_local_paths(cfg)
+            check_fits(cfg, estimate_memory(cfg, plan))  # with a known device size
+            if fork:
+                from flows.fork import check_fork, preexisting_fork
+                from storage.store import Store
+
+                prefect_env(cfg["storage"]["root"])  # check_fork reads the stage modules (flows.step: Prefect)
+                store = Store.from_config(cfg["storage"])
+                if not preexisting_fork(store, cfg, fork):
+                    check_fork(store, cfg, plan, fork)
+        except (ConfigError, LookupError) as exc:
+            print(f"error: {exc}")
+            return 2
         return _train_on_server(cfg, config, overrides, experiment, force_lock, fork)
-    finally:
+    finally:  # the fork server prestart offered the flow (closed by then) or nobody took
         if spawner is not None:
             spawner.close()
 
