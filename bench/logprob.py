@@ -209,7 +209,7 @@ def main():
         "note": ("micro-batches from stages.binning (the update's grouping). Static: 60 consecutive rows of the "
                  "rank's balanced order, one sequence per tensor row (padded) or packed into bins as wide as "
                  "the micro-batch's longest sequence (use_remove_padding). Token budget: at most `budget` "
-                 "padded tokens, whole sequences packed into bins longest first, padded or not. Speed-ups are "
+                 "padded tokens, runs of rows sorted by length (stages.binning), packed or not. Speed-ups are "
                  "best-of-repeat tokens/s of the actor forward (all cases timed in turn in one process, "
                  "forward_runs) against static padded, in wall time and in CPU time (the machine may be "
                  "shared); stage_runs: one real stage run per case in its own process (loads, peak RSS)."),

@@ -14,18 +14,21 @@ Modes (`micro_batches`):
 - static (`dynamic=False`): consecutive `rows_per_micro` rows, as verl. Not packed: one sequence
   per tensor row, right-padded to the micro-batch's longest sequence. Packed: the micro-batch's
   sequences, longest first, go into bins as wide as its longest sequence.
-- token budget (`dynamic=True`): at most `budget` padded tokens (bins x width) per micro-batch,
-  whole sequences, built longest first: a micro-batch is as wide as the longest sequence left (at
-  least half the longest of all), holds budget // width bins, and shorter sequences fill the room
-  left in bins. The count is all-reduced MAX over ranks. Not verl's rearrange_micro_batches
+- token budget (`dynamic=True`): the rank's sequences sorted longest first and cut into runs of
+  similar length, one run per micro-batch, each at most `budget` padded tokens (rows x its
+  longest); the cut is the one with the fewest padded tokens plus budget // 16 per micro-batch
+  (`_segments`, exact). Packed: later sequences of a run share a tensor row where they fit in
+  the run's width. The count is all-reduced MAX over ranks. Not verl's rearrange_micro_batches
   (Karmarkar-Karp groups of padded rows): those mix long and short rows, and the padded log-prob
-  forward then padded 77 % and ran at 0.33x static. With these bins it pads 3.3 % and runs at
-  1.60x static (wall and CPU time; packed static micro-batches 1.32x padded ones), on 720 rows
-  of mixed lengths (bench/logprob.py; bench/update.py: 1.5-1.9x for the update). `packed=False`
-  keeps one sequence per tensor row (the reward model, whose head reads each row's last token).
-The logprob and update stages pack whenever there is a token budget, and under static
-micro-batches with use_remove_padding. Padding is only what is left at the ends of bins; the loss
-and the per-token values are exact for any grouping, only the speed depends on it."""
+  forward then padded 77 % and ran at 0.33x static. Nor bins of many short sequences in one wide
+  row (this module's earlier layout): without a varlen attention kernel (the CPU) attention is
+  computed over a bin's whole width, masked, so wide bins cost quadratically; 1.34-1.65x static
+  at 3.3 % padding. Runs of sorted rows pad 4.6 % and run at 1.6-2.0x static on 720 rows of
+  mixed lengths (bench/logprob.py). `packed=False` always keeps one sequence per tensor row (the
+  reward model, whose head reads each row's last token).
+The logprob and update stages pack with use_remove_padding. Padding is only what is left at the
+ends of rows; the loss and the per-token values are exact for any grouping, only the speed
+depends on it."""
 from __future__ import annotations
 
 
@@ -58,16 +61,11 @@ def micro_batches(lengths: list[int], *, rows_per_micro: int | None = None, budg
             return [[[i] for i in chunk] for chunk in chunks]
         return [_fill_bins(lengths, sorted(chunk, key=lambda i: (-lengths[i], i)),
                            max(lengths[i] for i in chunk), len(chunk))[0] for chunk in chunks]
-    longest = check_budget(lengths, budget, budget_key)
-    left, micro = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), []
-    while left:
-        if packed:
-            width = max(lengths[left[0]], longest // 2, 1)
-            bins, left = _fill_bins(lengths, left, width, budget // width)
-        else:
-            rows = budget // max(lengths[left[0]], 1)
-            bins, left = [[i] for i in left[:rows]], left[rows:]
-        micro.append(bins)
+    check_budget(lengths, budget, budget_key)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    micro = [[[i] for i in order[s:e]] for s, e in _segments([lengths[i] for i in order], budget)]
+    if packed:  # within a micro-batch as wide as its longest sequence, shorter ones share rows
+        micro = [_fill_bins(lengths, rows_of(mb), lengths[mb[0][0]], len(mb))[0] for mb in micro]
     target = max_over_ranks(len(micro), group, all_reduce)
     if target > len(lengths):
         raise ValueError(f"another rank needs {target} micro-batches but this rank has only "
@@ -82,6 +80,27 @@ def micro_batches(lengths: list[int], *, rows_per_micro: int | None = None, budg
             halves = [[rows[:len(rows) // 2]], [rows[len(rows) // 2:]]]
         micro[k:k] = halves
     return micro
+
+
+def _segments(desc: list[int], budget: int) -> list[tuple[int, int]]:
+    """Cut lengths sorted longest first into runs [s, e), each padded to its first length within
+    the budget ((e - s) * desc[s] <= budget), minimising padded tokens + budget // 16 per run (a
+    forward's fixed cost, so that fewer, fuller micro-batches win over shaving a few pads). Exact
+    (dynamic programming over run ends; a run holds at most budget // desc[s] rows)."""
+    overhead, n = max(budget // 16, 1), len(desc)
+    best, start = [0] + [float("inf")] * n, [0] * (n + 1)
+    for e in range(1, n + 1):
+        for s in range(e - 1, -1, -1):
+            if (e - s) * desc[s] > budget:
+                break
+            cost = best[s] + (e - s) * desc[s] + overhead
+            if cost < best[e]:
+                best[e], start[e] = cost, s
+    runs, e = [], n
+    while e > 0:
+        runs.append((start[e], e))
+        e = start[e]
+    return runs[::-1]
 
 
 def _fill_bins(lengths, order, width: int, max_bins: int):

@@ -20,11 +20,11 @@ Non-finite gradient norm: ZeRO's step detects it (overflow check, bf16 check_gra
 discards the gradients and skips the update; it is counted in actor/skipped_steps with a warning.
 All ranks run the same number of backward passes (token-budget counts are all-reduced MAX), as
 ZeRO-2/3 reduce gradients inside backward. Micro-batches are stages.binning.micro_batches, the
-logprob stage's grouping: token-budget ones hold at most ppo_max_token_len_per_gpu padded tokens
-with several whole sequences in each tensor row (first-fit bins, longest first, block-diagonal
-attention), not verl's KK grouping of padded rows, which mixes long and short rows and pads
-heavily in a padded forward (bench/update.py); static ones are ppo_micro_batch_size_per_gpu rows,
-packed into bins too with model.use_remove_padding. The loss is exact for any grouping.
+logprob stage's grouping: token-budget ones hold at most ppo_max_token_len_per_gpu padded tokens,
+runs of rows sorted by length, not verl's KK grouping of padded rows, which mixes long and short
+rows and pads heavily in a padded forward (bench/update.py); static ones are
+ppo_micro_batch_size_per_gpu rows; with model.use_remove_padding shorter sequences share tensor
+rows (block-diagonal attention). The loss is exact for any grouping.
 """
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ class UpdateJob:
         micro = binning.micro_batches(  # the logprob stage's grouping: a token budget always packs
             [len(r["prompt_ids"]) + n for r, n in zip(mini_rows, resp)],
             rows_per_micro=plan["ppo_micro_batch_size_per_gpu"], budget=plan["max_token_len_per_micro_batch"],
-            dynamic=dynamic, packed=dynamic or bool(ctx.get(f"{role.model_key}.use_remove_padding")),
+            dynamic=dynamic, packed=bool(ctx.get(f"{role.model_key}.use_remove_padding")),
             budget_key=f"{role.prefix}.ppo_max_token_len_per_gpu")
         agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
                "loss_scale_factor": ctx.get("data.max_response_length")}

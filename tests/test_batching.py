@@ -82,29 +82,25 @@ def test_static_micro_batches_packed_into_bins():
     assert (load["real_tokens"], load["padded_tokens"], load["padding_fraction"]) == (300, 300, 0.0)
 
 
-def test_token_budget_bins_longest_first_within_budget():
-    # budget 250, longest first. micro 1: width 100, 250 // 100 = 2 bins: 100 -> bin0 (full),
-    # 60 -> bin1 (40 left), 50 does not fit and there is no third bin, 40 -> bin1 (full); 30, 10,
-    # 10 wait. micro 2: width max(50, 100 // 2) = 50, 5 bins: 50 -> bin0 (full), 30 -> bin1, then
-    # 10 and 10 -> bin1 (full).
-    micro = micro_batches(LENGTHS, budget=250, dynamic=True, packed=True, all_reduce=False)
-    assert micro == [[[2], [1, 6]], [[4], [3, 0, 5]]]
-    load = micro_batch_load(LENGTHS, micro)  # 2 x 100 + 2 x 50 padded tokens hold all 300 real ones
-    assert (load["padded_tokens"], load["max_tokens_per_micro_batch"]) == (300, 200)
-    # 200 // 100 = 2 bins of width 100 take everything: 100 | 60 + 20 + 20
-    assert micro_batches([100, 60, 20, 20], budget=200, dynamic=True, packed=True) == [[[0], [1, 2, 3]]]
-    # widths never drop below half the longest: after 100, the rows are max(20, 100 // 2) = 50
-    # wide, so 20 and 20 share one instead of each padding a row of their own
-    assert micro_batches([100, 20, 20], budget=100, dynamic=True, packed=True) == [[[0]], [[1, 2]]]
-
-
-def test_token_budget_one_sequence_per_row():
-    # packed=False (the reward model): width = longest left, budget // width rows.
-    # 250 // 100 = 2 rows (100, 60); then 250 // 50 = 5 rows (50, 40, 30, 10, 10)
-    micro = micro_batches(LENGTHS, budget=250, dynamic=True, packed=False)
-    assert micro == [[[2], [1]], [[4], [6], [3], [0], [5]]]
-    load = micro_batch_load(LENGTHS, micro)
-    assert (load["padded_tokens"], load["max_tokens_per_micro_batch"]) == (450, 250)
+def test_token_budget_runs_of_sorted_lengths_least_padding():
+    # budget 250, each micro-batch costs 250 // 16 = 15 tokens more. Sorted longest first: 100
+    # (row 2), 60 (1), 50 (4), 40 (6), 30 (3), 10 (0), 10 (5). Cheapest cut, padded tokens + 15
+    # per run (runs within 250 padded tokens), by hand: [100] 115; [60, 50] 2 x 60 + 15 = 135;
+    # [40, 30] 2 x 40 + 15 = 95; [10, 10] 20 + 15 = 35: 380 in all. Other cuts cost more: one
+    # greedy run [60, 50, 40, 30] (4 x 60 + 15 = 255) then [10, 10] gives 405; a run per row 405.
+    for packed in (False, True):  # no later sequence fits beside an earlier one in these runs
+        micro = micro_batches(LENGTHS, budget=250, dynamic=True, packed=packed, all_reduce=False)
+        assert micro == [[[2]], [[1], [4]], [[6], [3]], [[0], [5]]]
+    load = micro_batch_load(LENGTHS, micro)  # 100 + 120 + 80 + 20 padded tokens for 300 real ones
+    assert (load["padded_tokens"], load["max_tokens_per_micro_batch"], load["real_tokens"]) == (320, 120, 300)
+    # budget 200 (12 per run): [100] [60] [20, 20] costs 112 + 72 + 52 = 236; [100] [60, 20, 20]
+    # 112 + 192 = 304; [100, 60] [20, 20] 212 + 52 = 264
+    assert micro_batches([100, 60, 20, 20], budget=200, dynamic=True, packed=False) == [[[0]], [[1]], [[2], [3]]]
+    # packed (use_remove_padding): later sequences share a row of the run's width where they fit.
+    # Budget 1000 (62 per run): one run [20, 10, 10] (60 + 62) beats [20] [10, 10] (20 + 62 + 20
+    # + 62); 20 wide, the two 10s share the second row: 40 padded tokens instead of 60
+    assert micro_batches([10, 20, 10], budget=1000, dynamic=True, packed=False) == [[[1], [0], [2]]]
+    assert micro_batches([10, 20, 10], budget=1000, dynamic=True, packed=True) == [[[1], [0, 2]]]
 
 
 def test_token_budget_below_longest_sequence_is_refused():
@@ -134,8 +130,8 @@ def test_token_budget_count_is_all_reduced_over_ranks():
     """Rank 0 needs 3 micro-batches, rank 1 only 1: with the group both run 3 (real gloo ranks)."""
     results = run_ranks("tests.test_batching", {"lens": [[600, 600, 600], [100, 100, 100]],
                                                 "budget": 1000}, world=2, timeout_s=600)
-    # rank 0: width 600, 1000 // 600 = 1 bin per micro-batch -> 3; rank 1: width 100, 10 bins,
-    # all three rows in one micro-batch
+    # rank 0: 2 x 600 > 1000, a micro-batch per row -> 3; rank 1: all three rows in one run
+    # (300 padded tokens + 62 against 3 x (100 + 62))
     assert [r["local"] for r in results] == [[[[0]], [[1]], [[2]]], [[[0], [1], [2]]]]
     # rank 1 splits its micro-batch with the most rows until it has 3: its 3 bins in halves
     # ([0] | [1], [2]), then [1], [2] in halves
@@ -145,9 +141,8 @@ def test_token_budget_count_is_all_reduced_over_ranks():
 
 
 def test_split_reaches_another_ranks_count_by_halving_bins():
-    # lengths 5, 2, 2, budget 10: width 5, 2 bins: [0] (full) and [1, 2] -> one micro-batch.
-    # Another rank needs 3: the micro-batch's two bins go into two micro-batches, then the bin
-    # [1, 2] (the most rows) into [1] and [2].
+    # lengths 5, 2, 2, budget 10 (1 token per run): runs [5] (6) and [2, 2] (5), 2 micro-batches.
+    # Another rank needs 3: the micro-batch with the most rows, [1] [2], goes into two.
     import stages.binning as binning
 
     original = binning.max_over_ranks
