@@ -14,21 +14,27 @@ Modes (`micro_batches`):
 - static (`dynamic=False`): consecutive `rows_per_micro` rows, as verl. Not packed: one sequence
   per tensor row, right-padded to the micro-batch's longest sequence. Packed: the micro-batch's
   sequences, longest first, go into bins as wide as its longest sequence.
-- token budget (`dynamic=True`): the rank's sequences sorted longest first and cut into runs of
-  similar length, one run per micro-batch, each at most `budget` padded tokens (rows x its
-  longest); the cut is the one with the fewest padded tokens plus budget // 16 per micro-batch
-  (`_segments`, exact). Packed: later sequences of a run share a tensor row where they fit in
-  the run's width. The count is all-reduced MAX over ranks. Not verl's rearrange_micro_batches
-  (Karmarkar-Karp groups of padded rows): those mix long and short rows, and the padded log-prob
-  forward then padded 77 % and ran at 0.33x static. Nor bins of many short sequences in one wide
-  row (this module's earlier layout): without a varlen attention kernel (the CPU) attention is
-  computed over a bin's whole width, masked, so wide bins cost quadratically; 1.34-1.65x static
-  at 3.3 % padding. Runs of sorted rows pad 4.6 % and run at 1.6-2.0x static on 720 rows of
-  mixed lengths (bench/logprob.py). `packed=False` always keeps one sequence per tensor row (the
-  reward model, whose head reads each row's last token).
-The logprob and update stages pack with use_remove_padding. Padding is only what is left at the
-ends of rows; the loss and the per-token values are exact for any grouping, only the speed
-depends on it."""
+- token budget (`dynamic=True`), at most `budget` padded tokens per micro-batch, whole sequences
+  sorted longest first, in one of two layouts:
+  - runs (the default: log-prob, value and reward-model forwards): the sorted sequences cut into
+    runs of similar length, one run per micro-batch, one sequence per tensor row (rows x its
+    longest <= budget); the cut is the one with the fewest padded tokens plus budget // 16 per
+    micro-batch (`_segments`, exact). Packed: later sequences of a run share a tensor row where
+    they fit in its width. Without a varlen attention kernel (the CPU) a tensor row's attention
+    is computed over its whole width, masked, so rows of many short sequences cost quadratically:
+    runs pad 4.6 % and run at 1.6-2.0x static, wide bins 1.34-1.65x at 3.3 % (bench/logprob.py).
+  - `wide_bins` (the update): bins as wide as the longest sequence left (at least half the
+    longest of all), budget // width bins per micro-batch, shorter sequences filling the room
+    left in bins. A backward's fixed cost per micro-batch outweighs the masked attention there:
+    8 micro-batches at 3.5 % padding ran 1.6-2.0x static, runs (12 at 6.7 %) 1.4-1.7x, and more,
+    less padded runs slower still (bench/update.py).
+  The count is all-reduced MAX over ranks. Not verl's rearrange_micro_batches (Karmarkar-Karp
+  groups of padded rows): those mix long and short rows, and the padded log-prob forward then
+  padded 77 % and ran at 0.33x static. `packed=False` always keeps one sequence per tensor row
+  (the reward model, whose head reads each row's last token).
+The logprob stage packs with use_remove_padding; the update packs with it and with a token budget.
+Padding is only what is left at the ends of rows; the loss and the per-token values are exact for
+any grouping, only the speed depends on it."""
 from __future__ import annotations
 
 
@@ -42,8 +48,8 @@ def check_budget(lengths: list[int], budget: int | None, key: str) -> int:
 
 
 def micro_batches(lengths: list[int], *, rows_per_micro: int | None = None, budget: int | None = None,
-                  dynamic: bool, packed: bool, all_reduce: bool = True, group=None,
-                  budget_key: str = "max_token_len_per_gpu") -> list[list[list[int]]]:
+                  dynamic: bool, packed: bool, wide_bins: bool = False, all_reduce: bool = True,
+                  group=None, budget_key: str = "max_token_len_per_gpu") -> list[list[list[int]]]:
     """One rank's micro-batches (lists of bins, a bin a list of row indices into `lengths`, the
     prompt + response length of each row), in execution order; see the module docstring for the
     modes. With `dynamic` and a torch.distributed `group` (or all_reduce and an initialised
@@ -61,11 +67,18 @@ def micro_batches(lengths: list[int], *, rows_per_micro: int | None = None, budg
             return [[[i] for i in chunk] for chunk in chunks]
         return [_fill_bins(lengths, sorted(chunk, key=lambda i: (-lengths[i], i)),
                            max(lengths[i] for i in chunk), len(chunk))[0] for chunk in chunks]
-    check_budget(lengths, budget, budget_key)
+    longest = check_budget(lengths, budget, budget_key)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    micro = [[[i] for i in order[s:e]] for s, e in _segments([lengths[i] for i in order], budget)]
-    if packed:  # within a micro-batch as wide as its longest sequence, shorter ones share rows
-        micro = [_fill_bins(lengths, rows_of(mb), lengths[mb[0][0]], len(mb))[0] for mb in micro]
+    if wide_bins and packed:  # the update: few, full micro-batches
+        micro = []
+        while order:
+            width = max(lengths[order[0]], longest // 2, 1)
+            bins, order = _fill_bins(lengths, order, width, budget // width)
+            micro.append(bins)
+    else:
+        micro = [[[i] for i in order[s:e]] for s, e in _segments([lengths[i] for i in order], budget)]
+        if packed:  # within a micro-batch as wide as its longest sequence, shorter ones share rows
+            micro = [_fill_bins(lengths, rows_of(mb), lengths[mb[0][0]], len(mb))[0] for mb in micro]
     target = max_over_ranks(len(micro), group, all_reduce)
     if target > len(lengths):
         raise ValueError(f"another rank needs {target} micro-batches but this rank has only "

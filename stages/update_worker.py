@@ -20,11 +20,12 @@ Non-finite gradient norm: ZeRO's step detects it (overflow check, bf16 check_gra
 discards the gradients and skips the update; it is counted in actor/skipped_steps with a warning.
 All ranks run the same number of backward passes (token-budget counts are all-reduced MAX), as
 ZeRO-2/3 reduce gradients inside backward. Micro-batches are stages.binning.micro_batches, the
-logprob stage's grouping: token-budget ones hold at most ppo_max_token_len_per_gpu padded tokens,
-runs of rows sorted by length, not verl's KK grouping of padded rows, which mixes long and short
-rows and pads heavily in a padded forward (bench/update.py); static ones are
-ppo_micro_batch_size_per_gpu rows; with model.use_remove_padding shorter sequences share tensor
-rows (block-diagonal attention). The loss is exact for any grouping.
+function the logprob stage uses: token-budget ones hold at most ppo_max_token_len_per_gpu padded
+tokens in wide bins (several whole sequences per tensor row, first fit, longest first,
+block-diagonal attention: few full micro-batches, as a backward's fixed cost per micro-batch
+outweighs the masked attention), not verl's KK grouping of padded rows, which mixes long and
+short rows and pads heavily (bench/update.py); static ones are ppo_micro_batch_size_per_gpu rows,
+packed into bins too with model.use_remove_padding. The loss is exact for any grouping.
 """
 from __future__ import annotations
 
@@ -189,11 +190,11 @@ class UpdateJob:
         if global_tokens <= 0:
             raise ValueError(f"step {ctx.step}: a {role.name} mini-batch has no response tokens on any rank")
         dynamic = plan["use_dynamic_bsz"]
-        micro = binning.micro_batches(  # the logprob stage's grouping: a token budget always packs
+        micro = binning.micro_batches(  # a token budget packs wide bins: few, full micro-batches
             [len(r["prompt_ids"]) + n for r, n in zip(mini_rows, resp)],
             rows_per_micro=plan["ppo_micro_batch_size_per_gpu"], budget=plan["max_token_len_per_micro_batch"],
-            dynamic=dynamic, packed=bool(ctx.get(f"{role.model_key}.use_remove_padding")),
-            budget_key=f"{role.prefix}.ppo_max_token_len_per_gpu")
+            dynamic=dynamic, packed=dynamic or bool(ctx.get(f"{role.model_key}.use_remove_padding")),
+            wide_bins=True, budget_key=f"{role.prefix}.ppo_max_token_len_per_gpu")
         agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
                "loss_scale_factor": ctx.get("data.max_response_length")}
         stats: dict[str, float] = {}

@@ -103,6 +103,21 @@ def test_token_budget_runs_of_sorted_lengths_least_padding():
     assert micro_batches([10, 20, 10], budget=1000, dynamic=True, packed=True) == [[[1], [0, 2]]]
 
 
+def test_token_budget_wide_bins_longest_first_within_budget():
+    # the update's layout. Budget 250, longest first. micro 1: width 100, 250 // 100 = 2 bins: 100
+    # -> bin0 (full), 60 -> bin1 (40 left), 50 does not fit and there is no third bin, 40 -> bin1
+    # (full); 30, 10, 10 wait. micro 2: width max(50, 100 // 2) = 50, 5 bins: 50 -> bin0 (full),
+    # 30 -> bin1, then 10 and 10 -> bin1 (full).
+    micro = micro_batches(LENGTHS, budget=250, dynamic=True, packed=True, wide_bins=True, all_reduce=False)
+    assert micro == [[[2], [1, 6]], [[4], [3, 0, 5]]]
+    load = micro_batch_load(LENGTHS, micro)  # 2 x 100 + 2 x 50 padded tokens hold all 300 real ones
+    assert (load["padded_tokens"], load["max_tokens_per_micro_batch"]) == (300, 200)
+    assert micro_batches([100, 60, 20, 20], budget=200, dynamic=True, packed=True, wide_bins=True) == [[[0], [1, 2, 3]]]
+    # widths never drop below half the longest: after 100, the rows are max(20, 100 // 2) = 50
+    # wide, so 20 and 20 share one instead of each padding a row of their own
+    assert micro_batches([100, 20, 20], budget=100, dynamic=True, packed=True, wide_bins=True) == [[[0]], [[1, 2]]]
+
+
 def test_token_budget_below_longest_sequence_is_refused():
     with pytest.raises(ValueError, match=r"token budget critic.ppo_max_token_len_per_gpu=500 is below the "
                                          r"longest sequence \(600 tokens, row 1\)"):
