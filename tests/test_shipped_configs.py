@@ -67,9 +67,10 @@ def server(tmp_path_factory):
         yield srv
 
 
-@pytest.mark.parametrize("config, engine", [*((c, None) for c in CONFIGS), ("tiny-cpu", "vllm")])
+@pytest.mark.parametrize("config, engine", [*((c, None) for c in CONFIGS), ("tiny-cpu", "hf")])
 def test_shipped_config_trains_two_steps_on_cpu(config, engine, assets, server, tmp_path):
-    """Each shipped config (and tiny-cpu with the resident vLLM engine): 2 steps on the CPU."""
+    """Each shipped config (tiny-cpu samples with the resident vLLM engine; and tiny-cpu with the
+    hf fallback): 2 steps on the CPU."""
     gsm8k = "gsm8k" in str(load_config(config, [])["data"]["train_files"])
     overrides = cpu_substitutions(assets, tmp_path / "runs", gsm8k)
     if engine:
