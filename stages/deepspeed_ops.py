@@ -29,6 +29,15 @@ def same_ninja() -> None:
             os.environ["PATH"] = os.pathsep.join([bindir] + [p for p in parts if p != bindir])
 
 
+def op_build_env() -> None:
+    """Before DeepSpeed may load (or build) an op, at run time: `make install`'s prebuilt folder
+    when it exists and TORCH_EXTENSIONS_DIR is not set (else a first multi-rank run would build the
+    op again into ~/.cache/torch_extensions: 45 s - 3 min), and the environment's own ninja."""
+    if DEFAULT_DIR.is_dir():
+        extensions_dir()
+    same_ninja()
+
+
 def prebuild() -> str:
     extensions_dir()
     same_ninja()

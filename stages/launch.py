@@ -283,11 +283,11 @@ def init_distributed(device: str = "cpu", timeout_s: float | None = None):
     import torch
     import torch.distributed as dist
 
-    from stages.deepspeed_ops import same_ninja
+    from stages.deepspeed_ops import op_build_env
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    same_ninja()  # DeepSpeed's CPU comm op is loaded (built if needed) with the environment's ninja
+    op_build_env()  # DeepSpeed's CPU comm op: the prebuilt one, else built with the environment's ninja
     # a one-process group of our own (no launcher env, or the env an earlier in-process group of
     # this process set: its store may still hold that port): a fresh free port every time
     own_port = "WORLD_SIZE" not in os.environ or os.environ.get("MASTER_PORT") in _OWN_PORT

@@ -89,9 +89,9 @@ def make_engine(model, optim_cfg: dict, ds_config: dict):
     """(engine, torch AdamW) over `model`'s trainable parameters."""
     import deepspeed
 
-    from stages.deepspeed_ops import same_ninja
+    from stages.deepspeed_ops import op_build_env
 
-    same_ninja()  # DeepSpeed may build an op here: with the environment's ninja, as at install
+    op_build_env()  # DeepSpeed may load or build an op here: the prebuilt one, the environment's ninja
 
     params = [p for p in model.parameters() if p.requires_grad]
     betas = tuple(optim_cfg.get("betas", (0.9, 0.999)))
