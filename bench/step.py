@@ -5,9 +5,10 @@ bench/results/step.json.
 
     python bench/step.py [--steps 3] [key=value ...]      # overrides, e.g. data.train_batch_size=8
 
-Two variants side by side, each a fresh experiment on the same Prefect server:
-tasks_in_training_flow (the default, orchestration.step_subflow=false: the stage tasks run in the
-rl-train flow run) and step_subflow (each step an `rl-step` subflow). Reports the mean of steps
+Three variants side by side, each a fresh experiment on the same Prefect server:
+tasks_in_training_flow (the default: the vLLM engine, orchestration.step_subflow=false: the stage
+tasks run in the rl-train flow run), hf_engine (the same with the transformers engine, the
+fallback) and step_subflow (each step an `rl-step` subflow). Reports the mean of steps
 2.. (the resident workers are warm by then; step 1 pays their start) and every step under
 per_step, with each stage's own split (rollout: weights, data, engine call, table, waiting for the
 previous update's background commit; update: rank work, save/export, upload) under stage_detail_s.
@@ -97,6 +98,7 @@ def main() -> int:
     train_mod.run_step_subflow, step_mod.execute_stage = timed_subflow, timed_execute
     out = {"config": "tiny-cpu", "overrides": args.overrides, "variants": {}}
     for variant, extra in (("tasks_in_training_flow", ["orchestration.step_subflow=false"]),
+                           ("hf_engine", ["orchestration.step_subflow=false", "actor_rollout_ref.rollout.name=hf"]),
                            ("step_subflow", ["orchestration.step_subflow=true"])):
         for table in rec.values():
             table.clear()
