@@ -19,6 +19,7 @@ Preparing the rows (reading, templating, tokenising) is what costs, and it depen
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -193,6 +194,7 @@ def prepare_rows(spec: RowSpec, tokenizer) -> PreparedRows:
     return PreparedRows(rows, filtered, truncated)
 
 
+@functools.lru_cache(maxsize=4)
 def _permutation(n: int, seed: int, epoch: int):
     """An epoch's shuffled order, computed once per process: at 100k prompts drawing it costs
     more than everything else a step does to pick its batch."""

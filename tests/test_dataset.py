@@ -114,6 +114,9 @@ def test_shuffle_is_deterministic_by_seed_and_epoch(tmp_path, tokenizer):
     # data.seed null falls back to the seed the caller passes (trainer.seed)
     fallback = RLDataset(_config(path, seed=None), tokenizer, fallback_seed=1)
     assert [r.index for r in fallback.batch_for_step(0).rows] == first[0]
+    # an epoch's order is drawn once per process, not per step (at 100k prompts a draw costs more
+    # than the rest of picking a batch: bench/dataset.py)
+    assert fallback._order(1) is fallback._order(1) is RLDataset(_config(path, seed=1), tokenizer)._order(1)
 
 
 def test_resume_from_saved_position_equals_uninterrupted_run(tmp_path, tokenizer):
