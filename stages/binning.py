@@ -95,12 +95,24 @@ def micro_batches(lengths: list[int], *, rows_per_micro: int | None = None, budg
     return micro
 
 
+DP_WORK = 2_000_000  # run ends x candidate starts the exact cut may examine (~1 s of Python)
+
+
 def _segments(desc: list[int], budget: int) -> list[tuple[int, int]]:
     """Cut lengths sorted longest first into runs [s, e), each padded to its first length within
     the budget ((e - s) * desc[s] <= budget), minimising padded tokens + budget // 16 per run (a
     forward's fixed cost, so that fewer, fuller micro-batches win over shaving a few pads). Exact
-    (dynamic programming over run ends; a run holds at most budget // desc[s] rows)."""
+    (dynamic programming over run ends; a run holds at most budget // desc[s] rows); when that
+    would examine more than DP_WORK candidates (tens of thousands of short rows under a large
+    budget), greedy runs instead: each as many rows as fit from the longest left."""
     overhead, n = max(budget // 16, 1), len(desc)
+    if n * min(n, budget // max(desc[-1], 1)) > DP_WORK:
+        runs, s = [], 0
+        while s < n:
+            e = min(n, s + max(budget // max(desc[s], 1), 1))
+            runs.append((s, e))
+            s = e
+        return runs
     best, start = [0] + [float("inf")] * n, [0] * (n + 1)
     for e in range(1, n + 1):
         for s in range(e - 1, -1, -1):

@@ -103,6 +103,24 @@ def test_token_budget_runs_of_sorted_lengths_least_padding():
     assert micro_batches([10, 20, 10], budget=1000, dynamic=True, packed=True) == [[[1], [0, 2]]]
 
 
+def test_token_budget_greedy_runs_when_the_exact_cut_would_take_long(monkeypatch):
+    # above DP_WORK candidates the runs are greedy: as many rows as fit from the longest left.
+    # LENGTHS, budget 250: 250 // 100 = 2 rows (100, 60), then 250 // 50 = 5 rows (50, 40, 30,
+    # 10, 10): 450 padded tokens where the exact cut gives 320
+    import stages.binning as binning
+
+    monkeypatch.setattr(binning, "DP_WORK", 1)
+    micro = micro_batches(LENGTHS, budget=250, dynamic=True, packed=False, all_reduce=False)
+    assert micro == [[[2], [1]], [[4], [6], [3], [0], [5]]]
+    assert micro_batch_load(LENGTHS, micro)["padded_tokens"] == 450
+    monkeypatch.undo()
+    # 40,000 rows of 5-20 tokens under a 1M budget (40,000 x 40,000 candidates: greedy)
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 20) for _ in range(40_000)]
+    micro = micro_batches(lengths, budget=1_000_000, dynamic=True, packed=False, all_reduce=False)
+    assert len(micro) == 1 and sorted(rows_of(micro[0])) == list(range(40_000))  # 800,000 padded
+
+
 def test_token_budget_wide_bins_longest_first_within_budget():
     # the update's layout. Budget 250, longest first. micro 1: width 100, 250 // 100 = 2 bins: 100
     # -> bin0 (full), 60 -> bin1 (40 left), 50 does not fit and there is no third bin, 40 -> bin1
