@@ -69,7 +69,7 @@ def micro_batches(lengths: list[int], *, rows_per_micro: int | None = None, budg
                            max(lengths[i] for i in chunk), len(chunk))[0] for chunk in chunks]
     longest = check_budget(lengths, budget, budget_key)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    if wide_bins and packed:  # the update: few, full micro-batches
+    if wide_bins:  # the update: few, full micro-batches, always packed
         micro = []
         while order:
             width = max(lengths[order[0]], longest // 2, 1)

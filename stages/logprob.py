@@ -160,7 +160,7 @@ class LogprobPass:
         """(rows per micro-batch, dynamic?, token budget) from the plan."""
         return tuple(plan[self.section][key] for key in self.size_keys)
 
-    def packed(self, ctx, dynamic) -> bool:
+    def packed(self, ctx) -> bool:
         return bool(ctx.get(self.padding_key))
 
     def check_folder(self, ctx) -> None:
@@ -279,7 +279,7 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     for lp_pass in passes(plan):
         role, t0 = lp_pass.name, time.perf_counter()
         micro_size, dynamic, budget = lp_pass.sizes(plan)
-        packed = lp_pass.packed(ctx, dynamic)
+        packed = lp_pass.packed(ctx)
         micro = binning.micro_batches(my_lens, rows_per_micro=micro_size, budget=budget, dynamic=dynamic,
                                       packed=packed, all_reduce=world > 1, budget_key=lp_pass.budget_key)
         load = binning.micro_batch_load(my_lens, micro)

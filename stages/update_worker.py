@@ -193,7 +193,7 @@ class UpdateJob:
         micro = binning.micro_batches(  # a token budget packs wide bins: few, full micro-batches
             [len(r["prompt_ids"]) + n for r, n in zip(mini_rows, resp)],
             rows_per_micro=plan["ppo_micro_batch_size_per_gpu"], budget=plan["max_token_len_per_micro_batch"],
-            dynamic=dynamic, packed=dynamic or bool(ctx.get(f"{role.model_key}.use_remove_padding")),
+            dynamic=dynamic, packed=bool(ctx.get(f"{role.model_key}.use_remove_padding")),
             wide_bins=True, budget_key=f"{role.prefix}.ppo_max_token_len_per_gpu")
         agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
                "loss_scale_factor": ctx.get("data.max_response_length")}
