@@ -301,3 +301,52 @@ def test_gradient_checkpointing_is_on_and_changes_no_result(tmp_path, model_dir)
     assert all(torch.equal(critic_on[k], critic_off[k]) for k in critic_on)
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
         assert m_on[key] == m_off[key], key
+
+
+MUON_CHECK = r"""
+import sys, torch
+from stages.launch import init_distributed
+from stages.update_engine import MUON_MODULES, deepspeed_config, make_engine
+
+def train(stage):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    engine, _ = make_engine(model, {"lr": 0.05}, deepspeed_config(stage, "fp32", 1.0, False, False, "t"))
+    for i in range(3):
+        x = torch.linspace(-1, 1, 24).reshape(4, 6) * (i + 1)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+init_distributed("cpu")
+with_stand_in = {stage: train(stage) for stage in (1, 2)}
+print("stand-in", type(sys.modules[MUON_MODULES[0]].MuonWithAuxAdam).__name__,
+      sys.modules[MUON_MODULES[0]].__doc__.startswith("stagerl"), "torch._inductor.compile_fx" in sys.modules)
+for name in MUON_MODULES:  # now DeepSpeed's own Muon modules, as without the stand-in
+    del sys.modules[name]
+import deepspeed.runtime.zero.muon.muon_optimizer
+for stage in (1, 2):
+    real = train(stage)
+    assert all(torch.equal(a, b) for a, b in zip(with_stand_in[stage], real)), stage
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    assert not any(torch.equal(a, b) for a, b in zip(real, initial.parameters())), "nothing trained"
+print("equal", "torch._inductor.compile_fx" in sys.modules)
+"""
+
+
+def test_engines_skip_deepspeeds_muon_import_and_train_the_same(tmp_path):
+    """stages.update_engine.without_muon_import: the ZeRO-1/2 engines never import DeepSpeed's Muon
+    modules (whose torch.compile decorators import torch._inductor's compiler: seconds in step 1),
+    and train bit-identically to engines that did import them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    out = subprocess.run([sys.executable, "-c", MUON_CHECK], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("stand-in", "equal"))]
+    assert lines == ["stand-in type True False", "equal True"], out.stdout[-2000:]
