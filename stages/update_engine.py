@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -100,8 +99,8 @@ def make_engine(model, optim_cfg: dict, ds_config: dict):
     betas = tuple(optim_cfg.get("betas", (0.9, 0.999)))
     optimizer = torch.optim.AdamW(params, lr=float(optim_cfg["lr"]), betas=betas,
                                   weight_decay=float(optim_cfg.get("weight_decay", 0.01)))
-    with without_muon_import():
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    stand_in_for_muon()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     return engine, optimizer
 
 
@@ -109,16 +108,15 @@ MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime
 
 
 class _NotMuon:
-    """Stands in for DeepSpeed's MuonWithAuxAdam: no optimizer here is one (see without_muon_import)."""
+    """Stands in for DeepSpeed's MuonWithAuxAdam: no optimizer here is one (see stand_in_for_muon)."""
 
 
 def _no_muon_update(*args, **kwargs):
     raise RuntimeError("stagerl's update runs torch's AdamW: DeepSpeed's Muon update is not loaded")
 
 
-@contextlib.contextmanager
-def without_muon_import():
-    """Make and run engines without importing DeepSpeed's Muon optimizer modules.
+def stand_in_for_muon() -> None:
+    """Let engines be made and run without importing DeepSpeed's Muon optimizer modules.
 
     DeepSpeed's ZeRO code imports them to ask whether the optimizer is its MuonWithAuxAdam: at
     engine creation (zero.utils.is_zero_supported_optimizer) and in every gradient reduction
@@ -135,4 +133,81 @@ def without_muon_import():
         optimizer.MuonWithAuxAdam = update.MuonWithAuxAdam = _NotMuon
         update.muon_update = update.adam_update = _no_muon_update
         sys.modules.update(zip(MUON_MODULES, (optimizer, update)))
-    yield
+
+
+def set_lr(engine, lr: float) -> None:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
+def rng_state() -> dict:
+    """This process's RNG states (CPU, and every CUDA device when there is one): what a step
+    saves into train_state and what a rank keeps beside a kept engine."""
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def save_state(engine, folder: Path, rank: int) -> None:
+    """DeepSpeed checkpoint (module, optimizer partitions) + this rank's RNG states."""
+    engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG)
+    torch.save(rng_state(), Path(folder) / f"rng_rank{rank}.pt")
+
+
+def load_state(engine, folder: Path, rank: int) -> None:
+    folder = Path(folder)
+    if not (folder / CHECKPOINT_TAG).is_dir():
+        raise FileNotFoundError(f"train state {folder} has no DeepSpeed checkpoint '{CHECKPOINT_TAG}/' "
+                                f"(written by the update of the previous step)")
+    path, _ = engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                     load_lr_scheduler_states=False)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder} (world size changed?)")
+    rng_file = folder / f"rng_rank{rank}.pt"
+    if rng_file.exists():
+        restore_rng(torch.load(rng_file, weights_only=False))
+
+
+def full_fp32_state_dict(engine) -> dict:
+    """Every parameter's full fp32 master value (a collective: all ranks call it in order)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, param in engine.module.named_parameters():
+        value = safe_get_full_fp32_param(param)
+        if value is None:  # no ZeRO partitioning of this parameter
+            value = param.detach()
+        out[name] = value.detach().float().cpu().clone()
+    return out
+
+
+def export_hf(engine, out_dir: Path, rank: int, tokenizer_from=None) -> None:
+    """Write an HF folder (fp32 weights, config, tokenizer) on rank 0; all ranks must call it.
+    LoRA adapters (stages.lora) are merged into their weights: the folder is a plain model."""
+    from stages.lora import adapter_scalings, merge_adapters
+
+    state = merge_adapters(full_fp32_state_dict(engine), adapter_scalings(engine.module))
+    if rank != 0:
+        return
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine.module.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+    config_file = out_dir / "config.json"  # the tensors are fp32 whatever the training dtype
+    config = json.loads(config_file.read_text())
+    config["dtype"] = "float32"
+    config.pop("torch_dtype", None)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer_from is not None:
+        from stages.models import load_tokenizer
+
+        load_tokenizer(tokenizer_from).save_pretrained(str(out_dir))
+        gen = Path(os.path.expanduser(str(tokenizer_from))) / "generation_config.json"
+        if gen.exists() and not (out_dir / "generation_config.json").exists():
+            shutil.copy(gen, out_dir / "generation_config.json")

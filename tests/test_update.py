@@ -336,7 +336,7 @@ print("equal", "torch._inductor.compile_fx" in sys.modules)
 
 
 def test_engines_skip_deepspeeds_muon_import_and_train_the_same(tmp_path):
-    """stages.update_engine.without_muon_import: the ZeRO-1/2 engines never import DeepSpeed's Muon
+    """stages.update_engine.stand_in_for_muon: the ZeRO-1/2 engines never import DeepSpeed's Muon
     modules (whose torch.compile decorators import torch._inductor's compiler: seconds in step 1),
     and train bit-identically to engines that did import them."""
     import subprocess
