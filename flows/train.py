@@ -257,12 +257,6 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
         done, ran, last = [], [], {}
-        if orch["mode"] == "local":  # rollout runs in this process's session: start its engines now
-            from flows.step import stage_module
-
-            warm = getattr(stage_module("rollout"), "warm_up", None)
-            if warm is not None:
-                warm(run.context(1, step_extra(dataset, 1, total)))
         pool = session.rank_pool = start_rank_pool(cfg, plan, session.spawner)  # in the background too
         if (cfg.get("warmstart") or {}).get("enable"):  # stages.warmstart: step 0, once, resumable
             from flows.step import task_result, retry_options, stage_task
@@ -273,6 +267,12 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
             _log_validation(sinks, 0, validate(run, 0, step_extra(dataset, 1, total)))
         if pool is not None:  # the first update's DeepSpeed set-up, beside the first rollout
             prepare_update(pool, run, dataset, total)
+        if orch["mode"] == "local":  # rollout runs in this process's session: start its engines now
+            from flows.step import stage_module  # (workers in the background; hf in this process here)
+
+            warm = getattr(stage_module("rollout"), "warm_up", None)
+            if warm is not None:
+                warm(run.context(1, step_extra(dataset, 1, total)))
         with subflow_heartbeats_off():  # the steps' subflows (flows.step)
             for step in range(1, total + 1):
                 t0 = time.perf_counter()  # timing_s/step: the whole iteration except validation

@@ -89,9 +89,10 @@ def rollout_engines(ctx):
 
 
 def warm_up(ctx) -> None:
-    """Start the run's resident engines now, in the background, from the initial model folder
-    (same architecture; each step loads its own weights in place): the engine start-up (vLLM:
-    seconds on a CPU, a minute or more on a GPU) overlaps the rest of the run's set-up."""
+    """Start the run's resident engines now, from the initial model folder (same architecture;
+    each step loads its own weights in place), before the first step as TRL's and verl's trainers
+    load theirs: worker processes in the background (vLLM: seconds on a CPU, a minute or more on
+    a GPU, overlapping the rank pool's start), an in-process hf engine here."""
     if ctx.session is None:
         return
     from stages.models import check_model_folder

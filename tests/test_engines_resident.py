@@ -28,15 +28,15 @@ def _rows():
     return prompts, [derive_seed(7, row) for row in range(len(prompts))]
 
 
-def _options(model_dir, replicas=1):
-    return EngineOptions(model_dir=model_dir, rollout=dict(ROLLOUT), num_replicas=replicas,
+def _options(model_dir, replicas=1, rollout=None):
+    return EngineOptions(model_dir=model_dir, rollout=dict(rollout or ROLLOUT), num_replicas=replicas,
                          max_model_len=48, engine_seed=3, step_seed=11)
 
 
-def _generate(engines, engine, model_dir, replicas=1):
+def _generate(engines, engine, model_dir, replicas=1, rollout=None):
     prompts, seeds = _rows()
     sampling = Sampling(temperature=1.0, max_new_tokens=10, n=2, log_probs=True)
-    options = _options(model_dir, replicas)
+    options = _options(model_dir, replicas, rollout)
     gens = engines.generate(engine, prompts, seeds, sampling, options)
     return [(g.response_ids, g.log_probs) for g in gens], options.timings
 
@@ -95,6 +95,27 @@ def test_hf_with_one_replica_stays_in_this_process(models):
         resident.close()
     fresh, _ = _generate(RolloutEngines(resident=False), "hf", b)
     assert fresh == rows_b and rows_a != rows_b
+
+
+def test_hf_in_this_process_starts_at_warm_up(models):
+    """warm_up starts the in-process hf engine there and then (before a run's first step); the
+    first call uses it, reports its start and its rows equal a fresh engine's. A call with other
+    settings stops it and starts its own."""
+    a, b = models
+    resident = RolloutEngines(resident=True)
+    try:
+        resident.warm_up("hf", _options(a))
+        warmed = resident.local[1]
+        assert resident.starts == 1 and resident.pids() == []
+        rows_a, first = _generate(resident, "hf", a)
+        assert resident.local[1] is warmed and resident.starts == 1
+        assert first["started"] == 1 and first["engine_start_s"] > 0 and first["load_weights_s"] == 0
+        rows_b, second = _generate(resident, "hf", b, rollout={**ROLLOUT, "dtype": "bfloat16"})
+        assert resident.local[1] is not warmed and resident.starts == 2 and second["started"] == 1
+    finally:
+        resident.close()
+    assert _generate(RolloutEngines(resident=False), "hf", a)[0] == rows_a
+    assert _generate(RolloutEngines(resident=False), "hf", b, rollout={**ROLLOUT, "dtype": "bfloat16"})[0] == rows_b
 
 
 def test_a_failing_engine_reports_the_worker_log(tmp_path, models):

@@ -44,6 +44,7 @@ class RolloutEngines:
         self.log_dir = str(log_dir or scratch_dir("engines"))
         self.workers: dict[int, EngineWorker] = {}
         self.local = None  # (restart key, engine, weights folder) of an engine in this process
+        self.warm_start = None  # warm_up's start timings of self.local, reported by the first call
         self.starts = 0  # worker processes started (a resident run: once per replica)
         self.restarts = 0  # of which after a worker died
 
@@ -125,15 +126,25 @@ class RolloutEngines:
         return worker.call("decode", {"ids": id_lists, "skip_special_tokens": skip_special_tokens})
 
     def warm_up(self, engine: str, options: EngineOptions) -> None:
-        """Start the replicas' engines in the background (a run calls this before its first
-        step, so engine start-up overlaps the rest of the set-up)."""
+        """Start the replicas' engines (a run calls this before its first step): worker processes
+        in the background, so their start-up overlaps the rest of the set-up; the in-process hf
+        engine (in_process_resident) here and now, reported by the first call's timings."""
         if not self.resident:
             return
         specs = [make_spec(options, engine, r, max(1, options.num_replicas)) for r in range(max(1, options.num_replicas))]
         if engine == "hf" and in_process_resident(specs):
-            return  # started by the first call, in this process
+            if self.local is None:  # in this process, now: a thread would only contend for the GIL
+                self.warm_start = self._start_local(specs[0])
+            return
         for r in range(max(1, options.num_replicas)):
             self._launch(self.slot_spec(make_spec(options, engine, r, max(1, options.num_replicas))))
+
+    def _start_local(self, spec) -> dict:
+        engine = engine_class("hf")()
+        started = engine.start(spec)
+        self.local = (spec.restart_key(), engine, spec.model_dir)
+        self.starts += 1
+        return started
 
     def _launch(self, spec) -> None:
         """A worker for `spec`: the running one if its engine settings match and it lives, else
@@ -173,11 +184,14 @@ class RolloutEngines:
 
         timings = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0}
         key = specs[0].restart_key()
-        if self.local is None or self.local[0] != key:
-            self.local = (key, engine_class("hf")(), None)
-            timings["engine_start_s"], timings["started"] = self.local[1].start(specs[0])["engine_start_s"], 1
-            self.local = (key, self.local[1], specs[0].model_dir)
-            self.starts += 1
+        if self.local is not None and self.local[0] != key:  # other settings: a new engine
+            self.local[1].stop()
+            self.local, self.warm_start = None, None
+        if self.local is None:
+            self.warm_start = self._start_local(specs[0])
+        if self.warm_start is not None:  # started by this call or by warm_up before it
+            timings["engine_start_s"], timings["started"] = self.warm_start["engine_start_s"], 1
+            self.warm_start = None
         key, engine, loaded = self.local
         if loaded != specs[0].model_dir:
             timings["load_weights_s"] = engine.load_weights(specs[0].model_dir)["load_weights_s"]
