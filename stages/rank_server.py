@@ -203,7 +203,8 @@ def _start_heartbeat(path: Path) -> None:
     threading.Thread(target=beat, name="rank-heartbeat", daemon=True).start()
 
 
-PRELOAD = ("deepspeed", "transformers.models.auto.modeling_auto", "stages.update_worker", "stages.logprob")
+PRELOAD = ("deepspeed", "torch._dynamo", "transformers.models.auto.modeling_auto", "transformers.generation.utils",
+           "stages.update_worker", "stages.logprob")
 
 
 def _preload() -> None:

@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-PRELOAD = ("torch", "transformers", "transformers.models.auto.modeling_auto", "deepspeed", "stages.update_worker",
+PRELOAD = ("torch", "torch._dynamo", "transformers", "transformers.models.auto.modeling_auto", "transformers.generation.utils",
+           "deepspeed", "stages.update_worker",
            "stages.logprob", "stages.engines.hf", "stages.engines.worker", "stages.rank_server")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_MESSAGE = 1 << 20
