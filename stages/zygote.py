@@ -36,9 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-PRELOAD = ("torch", "torch._dynamo", "transformers", "transformers.models.auto.modeling_auto", "transformers.generation.utils",
-           "deepspeed", "stages.update_worker",
-           "stages.logprob", "stages.engines.hf", "stages.engines.worker", "stages.rank_server")
+PRELOAD = ("torch", "torch._dynamo", "transformers", "transformers.models.auto.modeling_auto",
+           "transformers.generation.utils", "deepspeed", "stages.update_worker", "stages.logprob",
+           "stages.engines.hf", "stages.engines.worker", "stages.rank_server")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 16
