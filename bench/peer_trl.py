@@ -114,6 +114,7 @@ def stagerl_overrides(spec: dict, inputs: dict, work: Path, steps: int) -> list[
            f"{rollout}.n={w['n']}", f"{rollout}.temperature={w['temperature']}", f"{rollout}.top_p={w['top_p']}",
            f"{rollout}.top_k=-1", f"{rollout}.do_sample=true", f"{rollout}.log_prob_micro_batch_size_per_gpu={w['micro_batch']}",
            f"{rollout}.hf_generate_batch_size=120", f"{rollout}.name={spec['engine']}", f"{rollout}.enforce_eager=true",
+           f"{rollout}.dtype=float32",  # as TRL (bf16=False) and the update (deepspeed.dtype=fp32)
            f"custom_reward_function.path={PEER / 'reward.py'}", "custom_reward_function.name=compute_score",
            f"trainer.n_gpus_per_node={spec['ranks']}", "trainer.nnodes=1", "trainer.device=cpu",
            f"trainer.total_training_steps={steps}", f"trainer.seed={w['seed']}", "trainer.val_before_train=false",

@@ -94,3 +94,28 @@ def test_the_cpu_kv_cache_holds_max_num_seqs_sequences_in_whole_blocks(assets):
     for length in (32, 96, 128):
         assert _kv_cache_bytes(model, length, 1024, "float32") == max(64 << 20, 1280 * block)
     assert _kv_cache_bytes(model, 129, 1024, "float32") == max(64 << 20, 2 * 1280 * block)
+
+
+def test_bf16_runs_as_float32_on_a_cpu_without_native_bf16(assets):
+    """base.yaml's rollout dtype is verl's bfloat16; on a CPU without native bf16 (this AVX2 CI
+    machine) vLLM emulates it, 3x slower than float32, so the engine starts in float32 and says so.
+    float16/float32 and any GPU keep what the config asks for."""
+    import torch
+
+    from stages.engines import EngineSpec
+    from stages.engines.vllm_engine import engine_kwargs
+
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+    def started(dtype, device="cpu"):
+        spec = EngineSpec("vllm", str(assets[0]), (("dtype", dtype),), device=device, max_model_len=32)
+        kwargs, notes = engine_kwargs(spec)
+        return kwargs["dtype"], [n for n in notes if n.startswith("dtype")]
+
+    for asked in ("bfloat16", "auto"):
+        dtype, notes = started(asked)
+        assert (dtype, len(notes)) == ((asked, 0) if native else ("float32", 1)), asked
+        assert native or notes[0].startswith(f"dtype {asked} -> float32")
+    assert started("float16") == ("float16", [])
+    assert started("float32") == ("float32", [])
+    assert started("bfloat16", device="cuda") == ("bfloat16", [])
