@@ -191,40 +191,48 @@ def collate_bins(bins: list[list[dict]], pad_id: int, device="cpu") -> dict:
     in bin order), targets, response_mask (rows x R), response_lengths, response_width, plus
     real_tokens / padded_tokens (what the load records report). No attention_mask: positions that
     restart mark the sequences."""
+    import numpy as np
     import torch
 
     if not bins or not all(bins):
         raise ValueError("collate_bins needs at least one row in every bin")
-    fills = [sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in b) for b in bins]
-    width = max(fills)
     rows = [r for b in bins for r in b]
+    prompts = [len(r["prompt_ids"]) for r in rows]
     lengths = [len(r["response_ids"]) for r in rows]
+    if 0 in prompts:
+        raise ValueError(f"row {prompts.index(0)} has an empty prompt_ids")
+    # every array op below is over the whole micro-batch (a per-row loop of tensor writes took
+    # 9 ms per 120-row micro-batch, 5 % of a warm update step on the tiny model)
+    seq = np.add(prompts, lengths)
+    sizes = [len(b) for b in bins]
+    first_row = np.cumsum([0] + sizes[:-1])
+    fills = np.add.reduceat(seq, first_row)
+    width = int(fills.max())
     R = max(max(lengths), 1)
-    input_ids = torch.full((len(bins), width), int(pad_id), dtype=torch.long)
-    position_ids = torch.zeros((len(bins), width), dtype=torch.long)
-    response_mask = torch.zeros((len(rows), R), dtype=torch.long)
-    pred, targets, n = [], [], 0
+    bin_of = np.repeat(np.arange(len(bins)), sizes)
+    starts = np.cumsum(seq) - seq  # each sequence's first column in its bin ...
+    starts -= np.repeat(starts[first_row], sizes)  # ... counted from the bin's start
+    input_ids = np.full((len(bins), width), int(pad_id), dtype=np.int64)
+    column = np.arange(width)
     for b, members in enumerate(bins):
-        start = 0
-        for r in members:
-            p, resp = list(r["prompt_ids"]), list(r["response_ids"])
-            if not p:
-                raise ValueError(f"row {n} has an empty prompt_ids")
-            seq = p + resp
-            input_ids[b, start:start + len(seq)] = torch.tensor(seq, dtype=torch.long)
-            position_ids[b, start:start + len(seq)] = torch.arange(len(seq))
-            response_mask[n, :len(resp)] = 1
-            first = b * width + start + len(p) - 1
-            pred += range(first, first + len(resp))
-            targets += resp
-            start += len(seq)
-            n += 1
-        # the tail continues the last sequence's positions: no extra segment, never attended to
-        position_ids[b, start:] = torch.arange(position_ids[b, start - 1] + 1,
-                                               position_ids[b, start - 1] + 1 + width - start)
+        input_ids[b, :fills[b]] = np.fromiter(
+            (t for r in members for part in (r["prompt_ids"], r["response_ids"]) for t in part),
+            dtype=np.int64, count=int(fills[b]))
+    # a column's position counts from the start of its sequence; a bin's tail continues its last
+    # sequence's positions (no extra segment, never attended to)
+    last = first_row + np.asarray(sizes) - 1
+    span = seq.copy()
+    span[last] += width - fills
+    position_ids = column[None, :] - starts[np.arange(len(rows)).repeat(span)].reshape(len(bins), width)
+    response_mask = (np.arange(R)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+    first = bin_of * width + starts + np.asarray(prompts) - 1  # flat position predicting a row's first token
+    offset = np.arange(sum(lengths)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    pred = np.repeat(first, lengths) + offset
+    targets = np.fromiter((t for r in rows for t in r["response_ids"]), dtype=np.int64, count=sum(lengths))
+    fills = fills.tolist()
+    input_ids, position_ids, response_mask = (torch.from_numpy(a) for a in (input_ids, position_ids, response_mask))
     batch = {"input_ids": input_ids, "position_ids": position_ids, "response_mask": response_mask,
-             "pred_index": torch.tensor(pred, dtype=torch.long),
-             "targets": torch.tensor(targets, dtype=torch.long)}
+             "pred_index": torch.from_numpy(pred), "targets": torch.from_numpy(targets)}
     batch = {k: v.to(device) for k, v in batch.items()}
     batch.update(flat=True, response_lengths=lengths, response_width=R, sequence_width=width,
                  real_tokens=sum(fills), padded_tokens=width * len(bins))

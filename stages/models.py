@@ -175,12 +175,14 @@ def response_stats(model, batch, temperature: float = 1.0, with_entropy: bool = 
 
 
 def _to_rows(flat, batch):
-    """(bs, R) from per-position values: padded layout -> reshape and mask; flat -> split per row."""
+    """(bs, R) from per-position values: padded layout -> reshape and mask; flat -> scattered into rows."""
     lengths, R = batch["response_lengths"], batch["response_width"]
     if not batch.get("flat"):
         return torch.where(batch["response_mask"].bool(), flat.reshape(len(lengths), R), 0.0)
-    rows = [torch.nn.functional.pad(v, (0, R - v.shape[0])) for v in torch.split(flat, lengths)]
-    return torch.stack(rows)
+    # rows in order, each row's tokens first: the mask's True cells in row-major order (one op,
+    # not a pad per row)
+    mask = torch.arange(R, device=flat.device)[None, :] < torch.tensor(lengths, device=flat.device)[:, None]
+    return flat.new_zeros(len(lengths), R).masked_scatter(mask, flat)
 
 
 def response_values(critic, batch):

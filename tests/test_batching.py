@@ -261,3 +261,37 @@ def test_collate_bins_layout():
     assert load["padding_fraction"] == pytest.approx(3 / 16)
     with pytest.raises(ValueError, match="row 1 has an empty prompt_ids"):
         collate_bins([[rows[0], {"prompt_ids": [], "response_ids": [2]}]], pad_id=0)
+
+
+def test_collate_bins_matches_the_row_by_row_definition_on_random_bins():
+    """The vectorised layout against its definition, written row by row: sequences back to back,
+    positions restarting per sequence and continuing into a bin's tail, and each response token
+    predicted by the flat position before it (lists or numpy rows, empty responses included)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for trial in range(100):
+        bins = [[{"prompt_ids": rng.integers(1, 99, rng.integers(1, 9)).tolist(),
+                  "response_ids": rng.integers(1, 99, rng.integers(0, 9)).tolist()}
+                 for _ in range(rng.integers(1, 5))] for _ in range(rng.integers(1, 6))]
+        if trial % 2:
+            bins = [[{k: np.asarray(v, dtype=np.int32) for k, v in r.items()} for r in b] for b in bins]
+        width = max(sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in b) for b in bins)
+        ids, pos, pred, targets = [], [], [], []
+        for b, members in enumerate(bins):
+            row_ids, row_pos = [], []
+            for r in members:
+                p, resp = list(r["prompt_ids"]), list(r["response_ids"])
+                pred += [b * width + len(row_ids) + len(p) - 1 + k for k in range(len(resp))]
+                targets += resp
+                row_ids += p + resp
+                row_pos += list(range(len(p) + len(resp)))
+            tail = width - len(row_ids)
+            ids.append(row_ids + [7] * tail)
+            pos.append(row_pos + list(range(row_pos[-1] + 1, row_pos[-1] + 1 + tail)))
+        got = collate_bins(bins, pad_id=7)
+        assert got["input_ids"].tolist() == ids and got["position_ids"].tolist() == pos
+        assert got["pred_index"].tolist() == pred and got["targets"].tolist() == targets
+        lengths = [len(r["response_ids"]) for b in bins for r in b]
+        assert got["response_mask"].tolist() == [[int(j < n) for j in range(max(max(lengths), 1))] for n in lengths]
+        assert got["input_ids"].dtype == got["pred_index"].dtype == torch.long
