@@ -168,12 +168,16 @@ def pad_per_token(values: list[list[float]], width: int, dtype=None, pad_value=0
     import torch
 
     dtype = dtype or torch.float32
+    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
+    too_long = (lengths > width).nonzero()
+    if len(too_long):
+        n = int(too_long[0])
+        raise ValueError(f"row {n} has {len(values[n])} values, more than the width {width}")
     out = torch.full((len(values), width), pad_value, dtype=dtype)
-    for n, v in enumerate(values):
-        if len(v) > width:
-            raise ValueError(f"row {n} has {len(v)} values, more than the width {width}")
-        if len(v):
-            out[n, :len(v)] = torch.as_tensor(list(v), dtype=dtype)
+    # one conversion and one masked write for the whole batch (row-major order: each row's
+    # values land in its first cells), not a tensor per row
+    out[torch.arange(width)[None, :] < lengths[:, None]] = torch.tensor(
+        [x for v in values for x in v], dtype=dtype)
     return out.to(device)
 
 

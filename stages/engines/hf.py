@@ -40,13 +40,12 @@ def _generation_config(model, sampling: Sampling, eos_ids: list[int], pad_id: in
 def _left_pad(rows: list[list[int]], pad_id: int):
     import torch
 
-    width = max(len(r) for r in rows)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(lengths.max())
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
+    mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]  # each row's last len(r) cells
+    ids[mask] = torch.tensor([t for r in rows for t in r], dtype=torch.long)  # row-major: in order
+    return ids, mask.long()
 
 
 def _generate_batch(model, rows, config, sampling: Sampling, eos_ids, device) -> list[Generation]:
