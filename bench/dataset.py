@@ -2,7 +2,7 @@
 100k-row vs a 1k-row arithmetic dataset (stages/data_tools.py) and the tiny model's tokenizer
 (stages.tiny_model.save_tiny_model). Prints JSON and writes bench/results/dataset.json.
 
-    python bench/dataset.py [--sizes 1000,100000] [--steps 200] [--batch 60]
+    python bench/dataset.py [--sizes 1000,100000] [--steps 200] [--batch 60] [--rounds 3]
 
 Per size, each case in its own process:
 - uncached: `RLDataset(data, tokenizer)` + the batch, what every step paid before the cache;
@@ -14,9 +14,11 @@ Per size, each case in its own process:
   Its rows are decoded when a batch first uses them, so its steps are compared over the small
   dataset's first epoch (every step decodes its batch at both sizes; later, the small dataset is
   all decoded and its steps only look rows up).
-Per-step times are medians over the steps. The cases' processes import first what a rollout
-process has already imported (pyarrow.compute through storage/schemas.py, importlib.metadata
-through transformers): those one-off imports are not the dataset's cost.
+Per-step times are medians over the steps. The cold and fresh processes run --rounds times, the
+sizes in turn; a ratio is the median of the rounds' ratios, a figure the median of its rounds. The
+cases' processes import first what a rollout process has already imported (pyarrow.compute through
+storage/schemas.py, importlib.metadata through transformers): those one-off imports are not the
+dataset's cost.
 Goal: warm per-step ratio 100k/1k <= 1.1.
 """
 import argparse
@@ -109,6 +111,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000,100000")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3, help="cold + fresh processes of every size, in turn")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "dataset.json"))
     parser.add_argument("--child")
     parser.add_argument("--data")
@@ -134,26 +137,33 @@ def main() -> None:
             for name in TOKENIZER_FILES:
                 shutil.copy2(model / name, folder / name)
             folders.append(folder)
-        runs = {}
-        for n in sizes:
-            data = str(write_arith_dataset(work / f"arith-{n}.parquet", n=n, seed=0, difficulty=2))
-            cache = str(work / f"cache-{n}")
-            row = {"rows": n, "data_file_bytes": os.path.getsize(data)}
-            uncached = _run_child("uncached", data, folders[:1], cache, args.batch, min(sizes))
-            row["uncached_step_s"] = uncached["uncached_step_s"]
-            cold = _run_child("cold", data, folders, cache, args.batch, min(sizes))
-            assert cold["first_source"] == "built"
-            fresh = _run_child("fresh", data, folders, cache, args.batch, min(sizes))
-            assert fresh["first_source"] == "disk"
-            row["cache_file_bytes"] = sum(p.stat().st_size for p in Path(cache, "datasets").glob("*.arrow"))
-            row["cold"] = cold
-            row["fresh_process"] = fresh
-            runs[n] = row
-            print(f"{n} rows: uncached step {row['uncached_step_s']} s, cold {cold['first_step_s']} s, "
-                  f"warm {cold['warm_step_ms']} ms/step, fresh process first step "
-                  f"{fresh['first_step_s']} s then {fresh['first_epoch_step_ms']} ms/step "
-                  f"(wall {fresh['process_wall_s']} s)", file=sys.stderr)
-        small, large = runs[min(sizes)], runs[max(sizes)]
+        datas = {n: str(write_arith_dataset(work / f"arith-{n}.parquet", n=n, seed=0, difficulty=2)) for n in sizes}
+        caches = {n: str(work / f"cache-{n}") for n in sizes}
+        runs = {n: {"rows": n, "data_file_bytes": os.path.getsize(datas[n]), "uncached_step_s":
+                    _run_child("uncached", datas[n], folders[:1], caches[n], args.batch, min(sizes))["uncached_step_s"]}
+                for n in sizes}
+        rounds = []  # the sizes' cold and fresh processes in turn, round after round
+        for _ in range(args.rounds):
+            this = {}
+            for n in sizes:
+                shutil.rmtree(caches[n], ignore_errors=True)  # cold: this process tokenises again
+                cold = _run_child("cold", datas[n], folders, caches[n], args.batch, min(sizes))
+                assert cold["first_source"] == "built"
+                fresh = _run_child("fresh", datas[n], folders, caches[n], args.batch, min(sizes))
+                assert fresh["first_source"] == "disk"
+                this[n] = {"cold": cold, "fresh_process": fresh, "cache_file_bytes": sum(
+                    p.stat().st_size for p in Path(caches[n], "datasets").glob("*.arrow"))}
+                print(f"{n} rows: cold {cold['first_step_s']} s, warm {cold['warm_step_ms']} ms/step, fresh "
+                      f"process first step {fresh['first_step_s']} s then {fresh['first_epoch_step_ms']} ms/step "
+                      f"(wall {fresh['process_wall_s']} s)", file=sys.stderr)
+            rounds.append(this)
+        for n in sizes:  # each figure: its median over the rounds
+            for case in ("cold", "fresh_process"):
+                runs[n][case] = {k: (statistics.median(r[n][case][k] for r in rounds)
+                                     if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                                 for k, v in rounds[0][n][case].items()}
+            runs[n]["cache_file_bytes"] = rounds[0][n]["cache_file_bytes"]
+        small, large = min(sizes), max(sizes)
         compared = {  # ratio name: (case, figure); case None: a figure of the size itself
             "warm_step_same_process": ("cold", "warm_step_ms"),
             "warm_step_same_process_same_folder": ("cold", "warm_step_same_folder_ms"),
@@ -168,12 +178,16 @@ def main() -> None:
         def figure(run, case, name):
             return (run[case] if case else run)[name]
 
+        per_round = {name: [round(figure({**runs[large], **r[large]}, *what)
+                                  / figure({**runs[small], **r[small]}, *what), 3) for r in rounds]
+                     for name, what in compared.items()}
         result = {
-            "cpus": os.cpu_count(), "steps": args.steps, "batch_prompts": args.batch,
+            "cpus": os.cpu_count(), "steps": args.steps, "batch_prompts": args.batch, "rounds": args.rounds,
             "sizes": runs,
-            "ratio_large_over_small": {
-                name: round(figure(large, *what) / figure(small, *what), 3)
-                for name, what in compared.items()},
+            "ratio_large_over_small": {name: statistics.median(v) for name, v in per_round.items()},
+            "ratio_per_round": per_round,
+            "ratio_note": "median over the rounds of each round's ratio (the two sizes' processes run "
+                          "back to back in a round, so a slower machine for a while moves both)",
             "goal": "warm_step_same_process and warm_step_fresh_process_first_epoch <= 1.1",
         }
         ratios = result["ratio_large_over_small"]

