@@ -66,13 +66,6 @@ class TcpProxy:
 
     def _close_all(self) -> None:
         if self._listener is not None:
-            # shutdown first: close() alone leaves the socket listening while the accept thread
-            # is blocked in accept() on it (Linux), so one connection got through the outage and
-            # the restore's bind failed (EADDRINUSE) when none came: the outage never ended
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._listener.close()
             self._listener = None
         with self._lock:
