@@ -2,6 +2,7 @@
 EventAccumulator, and wandb's record protobuf over the LevelDB-style log of an offline run's
 run-<id>.wandb file (7-byte file header; 32 KiB blocks of records: crc32, length, type, data)."""
 import json
+import time
 from pathlib import Path
 
 
@@ -46,10 +47,19 @@ def wandb_run(folder) -> dict:
     files = sorted(Path(folder).rglob("run-*.wandb"))
     assert len(files) == 1, files
     out = {"history": {}, "config": {}, "project": None, "name": None, "file": files[0]}
-    for data in _log_records(files[0].read_bytes()):
-        record = pb.Record()
-        record.ParseFromString(data)
-        kind = record.WhichOneof("record_type")
+    deadline = time.time() + 30  # wandb's service process writes the file; finish() can return
+    while True:                  # before its last records are on disk (seen under load)
+        data = files[0].read_bytes()
+        try:
+            records = [pb.Record.FromString(r) for r in _log_records(data)]
+        except Exception:  # a record still being written
+            records = []
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert "run" in kinds and "exit" in kinds, f"{files[0]} holds {kinds}"
+    for record, kind in zip(records, kinds):
         if kind == "history":
             row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
             out["history"][row.pop("_step")] = row

@@ -18,7 +18,7 @@ class TcpProxy:
         self._conns: set = set()
         self._lock = threading.Lock()
         self._listener = None
-        self.cuts: list = []  # (start, end) of each outage, time.time()
+        self.cuts: list = []  # (start, end, connections reset) of each outage, time.time()
 
     def __enter__(self) -> "TcpProxy":
         self._listen()
@@ -64,8 +64,13 @@ class TcpProxy:
                 except OSError:
                     pass
 
-    def _close_all(self) -> None:
+    def _close_all(self) -> int:
+        """Stop listening and reset every open connection; returns how many were open."""
         if self._listener is not None:
+            try:  # close() alone leaves a socket that a thread is blocked accept()ing on listening
+                self._listener.shutdown(socket.SHUT_RDWR)  # (Linux): this wakes accept() and stops it
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         with self._lock:
@@ -76,15 +81,16 @@ class TcpProxy:
                 s.close()
             except OSError:
                 pass
+        return len(conns) // 2
 
     def cut(self, seconds: float) -> None:
         """Reset every connection and refuse new ones for `seconds` (returns at once)."""
         start = time.time()
-        self._close_all()
+        reset = self._close_all()
 
         def restore() -> None:
             time.sleep(seconds)
             self._listen()
-            self.cuts.append((start, time.time()))
+            self.cuts.append((start, time.time(), reset))
 
         threading.Thread(target=restore, daemon=True).start()

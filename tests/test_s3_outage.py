@@ -2,11 +2,13 @@
 own local Prefect server, 2 ranks in the rank pool) with the store on moto's S3 server behind a
 TCP proxy that resets every connection and refuses new ones for 15 s once step 1's advantage is
 committed. The storage errors, on the ranks and in the training process alike, are retried
-(orchestration.storage_retries, delays doubling from orchestration.retry_delay_s) and the run
-ends with the weights of a run without the outage."""
+(botocore's own connection retries, then orchestration.storage_retries with delays doubling from
+orchestration.retry_delay_s): the update commits only after the outage, and the run ends with the
+weights of a run without the outage."""
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +42,16 @@ def train(env, root: str, assets, tmp_path, experiment: str):
                             start_new_session=True)
 
 
+def watch_commit(store, layout, committed: list, run) -> None:
+    while run.poll() is None:
+        if read_manifest(store, layout, 1, "update") is not None:
+            committed.append(time.time())
+            return
+        time.sleep(0.1)
+    if read_manifest(store, layout, 1, "update") is not None:
+        committed.append(time.time())
+
+
 def test_a_15s_s3_outage_during_the_update_is_survived(assets, tmp_path):
     with MotoServer() as s3, TcpProxy(s3.port) as proxy:
         s3.make_bucket("runs")
@@ -59,11 +71,18 @@ def test_a_15s_s3_outage_during_the_update_is_survived(assets, tmp_path):
             time.sleep(0.1)
         update_started = read_manifest(store, layout, 1, "update") is None
         proxy.cut(15.0)
+        committed = []  # when step 1's update manifest appeared (read around the proxy)
+        watcher = threading.Thread(target=watch_commit, args=(store, layout, committed, run), daemon=True)
+        watcher.start()
         out, _ = run.communicate(timeout=600)
+        watcher.join(timeout=30)
         print(out[-6000:])
         assert update_started  # the outage began while step 1's update ran
         assert run.returncode == 0, out[-4000:]
-        assert proxy.cuts and proxy.cuts[0][1] - proxy.cuts[0][0] >= 15.0
-        assert "Retry" in out or "retry" in out, out[-4000:]  # the outage was met, and retried
+        (start, end, reset), = proxy.cuts
+        assert end - start >= 15.0
+        # the outage was met: the update (2-3 s without it) committed only after the store came back.
+        # Who retried (botocore's own connection retries or orchestration.storage_retries) varies.
+        assert committed and committed[0] > end, (committed, proxy.cuts, out[-4000:])
         ref = folder_manifest(store, RunLayout(PROJECT, "reference").weights(2))["checksum"]
         assert folder_manifest(store, layout.weights(2))["checksum"] == ref
