@@ -100,7 +100,7 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         LAST_LAUNCH.update(launcher=launcher, cmd=list(cmd), world=world)
         out_f, err_f = tmp / "stdout.txt", tmp / "stderr.txt"
         with out_f.open("wb") as out, err_f.open("wb") as err:
-            proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=err,
+            proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stdout=out, stderr=err,
                                     start_new_session=True)
             rc, lost = _wait_launch(proc, err_f, timeout_s, watch_hosts=launcher == "deepspeed")
             if rc is None:

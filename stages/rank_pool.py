@@ -115,7 +115,7 @@ class RankPool:
                                                      int(env["MASTER_PORT"]), stdout=out, stderr=err,
                                                      new_session=True)
             else:
-                self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=out, stderr=err,
+                self.proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stdout=out, stderr=err,
                                              start_new_session=True)
         finally:
             out.close()

@@ -131,9 +131,12 @@ class Zygote:
               new_session: bool = False, group: dict | None = None) -> "ForkedProcess":
         """Fork `target` ("module:function", called with `args`; its return value is the exit
         code) with `env`; stdout/stderr: open files (None: the zygote's). Returns at once, also
-        while the zygote still imports: the handle learns its pid when it is first needed."""
+        while the zygote still imports: the handle learns its pid when it is first needed. It
+        runs in `cwd`, by default the caller's working directory, as every process a run starts
+        on its host: relative paths in the config (storage.root, custom_reward_function.path)
+        mean the same in all of them."""
         request = {"target": target, "args": [str(a) for a in args], "env": dict(env),
-                   "cwd": str(cwd or REPO_ROOT), "new_session": bool(new_session), "group": group,
+                   "cwd": str(cwd or os.getcwd()), "new_session": bool(new_session), "group": group,
                    "n_pass": len(pass_fds), "has_out": stdout is not None, "has_err": stderr is not None}
         fds = [f.fileno() for f in (stdout, stderr) if f is not None] + [int(fd) for fd in pass_fds]
         with self._lock:

@@ -11,4 +11,4 @@ def rank_main(ctx, rank, world):
         from storage.store import StoreError
         raise StoreError(f"s3://bucket/x: connection refused on rank {rank}")
     time.sleep(float(ctx.get("sleep_s", 0)))
-    return {"rank": rank, "world": world, "pid": os.getpid(), "ctx": ctx}
+    return {"rank": rank, "world": world, "pid": os.getpid(), "ctx": ctx, "cwd": os.getcwd()}

@@ -34,10 +34,12 @@ def gone(pid: int, wait_s: float = 20) -> bool:
     return False
 
 
-def test_jobs_failure_dead_rank_restart_and_close(tmp_path):
+def test_jobs_failure_dead_rank_restart_and_close(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the ranks work where the run does: relative paths mean the same
     with RankPool(2, "cpu", tmp_path / "pool") as pool:
         first = pool.submit("tests._pool_jobs", {"message": "hi"})
         assert [r["rank"] for r in first] == [0, 1] and {r["world"] for r in first} == {2}
+        assert {r["cwd"] for r in first} == {str(tmp_path)}
         assert first[0]["ctx"] == {"message": "hi"}
         pids = [r["pid"] for r in first]
         assert sorted(pids) == sorted(pool.rank_pids()) and os.getpid() not in pids

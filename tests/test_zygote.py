@@ -20,7 +20,7 @@ def zygote():
     z.close()
 
 
-def test_forked_children_behave_like_popen(zygote, tmp_path):
+def test_forked_children_behave_like_popen(zygote, tmp_path, monkeypatch):
     out = (tmp_path / "out.txt").open("ab")
     r, w = os.pipe()
     os.write(w, b"hello through fd")
@@ -32,6 +32,14 @@ def test_forked_children_behave_like_popen(zygote, tmp_path):
     text = (tmp_path / "out.txt").read_text()
     assert f"args=['a', 'b'] env=x1 threads=1 fd_data=hello through fd tasks=1 cwd={tmp_path}" in text, text
     assert child.pid not in (os.getpid(), zygote.proc.pid)
+
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    r2, w2 = os.pipe()
+    os.write(w2, b"again")
+    here = zygote.popen("tests._zygote_jobs:report", ["{fd0}", "c"], env, stdout=out, stderr=out, pass_fds=(r2,))
+    assert here.wait(120) == 7  # no cwd given: the caller's working directory, as for a Popen
+    assert f"args=['c'] env=x1 threads=1 fd_data=again tasks=1 cwd={tmp_path / 'sub'}" in (tmp_path / "out.txt").read_text()
 
     failing = zygote.popen("tests._zygote_jobs:fail", ["row 3"], dict(os.environ), stdout=out, stderr=out)
     assert failing.wait(60) == 1

@@ -60,7 +60,7 @@ class EngineWorker:
             else:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "stages.engines.worker", str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),), env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+                    pass_fds=(theirs.fileno(),), env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
                     stdout=log, stderr=subprocess.STDOUT)
         theirs.close()
         self.conn = Connection(ours.detach())
