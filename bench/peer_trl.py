@@ -209,8 +209,11 @@ def run_variant(name: str, run: int, ctx: dict) -> dict:
         cmd = [sys.executable, str(PEER / "stagerl_run.py"), "--out", str(out_json), "--experiment", experiment,
                *stagerl_overrides(spec, ctx["inputs"], work, args.steps), *args.stagerl_overrides]
         env = child_env(args.threads, ctx["prefect"])
+    server_cpu = process_cpu_s(ctx["server_pid"])
     t0, t_exit, code = run_child(cmd, env, log, args.run_timeout)
     result = {"variant": name, "run": run, "returncode": code, "log": str(log) if args.keep else None}
+    if spec["side"] != "trl":  # the shared Prefect server's CPU while this run ran (TRL has none)
+        result["prefect_server_cpu_s"] = round(process_cpu_s(ctx["server_pid"]) - server_cpu, 3)
     try:
         raw = json.loads(out_json.read_text())
         summary = (summarize_trl if spec["side"] == "trl" else summarize_stagerl)(raw, t_exit)
@@ -227,13 +230,22 @@ def run_variant(name: str, run: int, ctx: dict) -> dict:
     return result
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its children so far."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in (proc, *proc.children(recursive=True)))
+
+
 def aggregate(results: list[dict], variants: list[str]) -> dict:
     out = {}
     for name in variants:
         good = [r for r in results if r["variant"] == name and "error" not in r and r["returncode"] == 0]
         med = lambda key: round(statistics.median(r[key] for r in good), 3) if good and good[0].get(key) is not None else None
         out[name] = {"runs_ok": len(good), "runs_failed": sum(r["variant"] == name for r in results) - len(good),
-                     **{k: med(k) for k in ("startup_s", "warm_step_s", "wall_s", "process_s", "imports_s")},
+                     **{k: med(k) for k in ("startup_s", "warm_step_s", "wall_s", "process_s", "imports_s",
+                                                "prefect_server_cpu_s")},
                      "split_s": {k: round(statistics.median(r["split_s"][k] for r in good), 3)
                                  for k in (good[0]["split_s"] if good else {})}}
     trl = out.get("trl")
@@ -277,7 +289,7 @@ def main() -> int:
             server.wait_healthy()
             prefect = {"PREFECT_API_URL": server.api_url, "PREFECT_HOME": str(work / "prefect"),
                        "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-            ctx = {"work": work, "args": args, "inputs": inputs, "prefect": prefect}
+            ctx = {"work": work, "args": args, "inputs": inputs, "prefect": prefect, "server_pid": server.proc.pid}
             for run in range(args.runs):  # interleaved: every variant once per round
                 for name in variants:
                     results.append(run_variant(name, run, ctx))
