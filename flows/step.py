@@ -215,12 +215,13 @@ def rl_step(run: RunHandle, step: int, extra: dict | None = None, publish: bool 
     run_task = stage_task.with_options(**retry_options(cfg))
     session = run.session
     publisher = step_report.background_publisher(session) if background_publish and session else None
-    if publisher is not None:
-        publisher.start()  # the previous step's artifacts, beside this step's first stage
     summaries = {}
     for stage in STAGES:
         summaries[stage] = task_result(run_task(stage, run, step, extra, remote.get(stage),
                                             return_state=True))
+        if publisher is not None and stage == STAGES[0]:
+            publisher.start()  # the previous step's artifacts, after the rollout: not beside its
+            #                    generate, which Python and CPU work beside it slow the most
     if publish and publisher is not None:
         publisher.submit(run.context(step), summaries)
     elif publish:

@@ -11,10 +11,10 @@ from storage.layout import STAGES, RunLayout
 class _BackgroundPublisher:
     """Publishes a step's artifacts off the critical path. submit() only records the step (and
     a copy of the caller's context, the rl-step flow run, so the artifacts attach to it); the
-    next rl_step starts the publishing thread once its own flow run exists, so the thread runs
-    beside that step's first stage. Measured: publishing while Prefect creates the next subflow
-    run stalled that creation by 1-2.5 s (both write to the server's database), while publishing
-    beside a stage costs nothing visible. wait() publishes what is pending and joins; the training
+    next rl_step starts the publishing thread once its rollout is done, so the thread runs beside
+    that step's later stages, not beside the rollout's generate (the stage that the thread's Python
+    work and the server's CPU slow the most). Measured: publishing while Prefect creates the next
+    subflow run stalled that creation by 1-2.5 s (both write to the server's database). wait() publishes what is pending and joins; the training
     flow calls it before it ends. A failed publish is logged as a warning: artifacts are a view,
     the store holds the data."""
 
