@@ -14,8 +14,8 @@ class _BackgroundPublisher:
     next rl_step starts the publishing thread once its rollout is done, so the thread runs beside
     that step's later stages, not beside the rollout's generate (the stage that the thread's Python
     work and the server's CPU slow the most). Measured: publishing while Prefect creates the next
-    subflow run stalled that creation by 1-2.5 s (both write to the server's database). wait() publishes what is pending and joins; the training
-    flow calls it before it ends. A failed publish is logged as a warning: artifacts are a view,
+    subflow run stalled that creation by 1-2.5 s (both write to the server's database). wait()
+    publishes what is pending and joins; the training flow calls it before it ends. A failed publish is logged as a warning: artifacts are a view,
     the store holds the data."""
 
     def __init__(self):

@@ -18,7 +18,7 @@ class TcpProxy:
         self._conns: set = set()
         self._lock = threading.Lock()
         self._listener = None
-        self.cuts: list = []  # (start, end, connections reset) of each outage, time.time()
+        self.cuts: list = []  # (start, end) of each outage, time.time()
 
     def __enter__(self) -> "TcpProxy":
         self._listen()
@@ -64,11 +64,13 @@ class TcpProxy:
                 except OSError:
                     pass
 
-    def _close_all(self) -> int:
-        """Stop listening and reset every open connection; returns how many were open."""
+    def _close_all(self) -> None:
         if self._listener is not None:
-            try:  # close() alone leaves a socket that a thread is blocked accept()ing on listening
-                self._listener.shutdown(socket.SHUT_RDWR)  # (Linux): this wakes accept() and stops it
+            # shutdown first: close() alone leaves the socket listening while the accept thread
+            # is blocked in accept() on it (Linux), so one connection got through the outage and
+            # the restore's bind failed (EADDRINUSE) when none came: the outage never ended
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             self._listener.close()
@@ -81,16 +83,15 @@ class TcpProxy:
                 s.close()
             except OSError:
                 pass
-        return len(conns) // 2
 
     def cut(self, seconds: float) -> None:
         """Reset every connection and refuse new ones for `seconds` (returns at once)."""
         start = time.time()
-        reset = self._close_all()
+        self._close_all()
 
         def restore() -> None:
             time.sleep(seconds)
             self._listen()
-            self.cuts.append((start, time.time(), reset))
+            self.cuts.append((start, time.time()))
 
         threading.Thread(target=restore, daemon=True).start()
