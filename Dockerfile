@@ -19,7 +19,7 @@ COPY storage storage
 # torch is pinned first so nothing pulls another build (DESIGN.md, facts).
 RUN pip install --no-cache-dir --index-url ${TORCH_INDEX} torch==2.13.0 \
     && pip install --no-cache-dir -e ".[${EXTRAS}]" \
-    && python -m stages.deepspeed_ops || true
+    && python -m stages.ranks.deepspeed_ops || true
 COPY prefect.yaml ./
 COPY tests tests
 CMD ["prefect", "worker", "start", "--pool", "cpu"]

@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(DS_OP): $(STAMP)
-	$(PY) -m stages.deepspeed_ops
+	$(PY) -m stages.ranks.deepspeed_ops
 
 install: $(STAMP) $(DS_OP)
 

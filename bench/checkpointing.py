@@ -4,7 +4,7 @@ bench/results/checkpointing.json.
 
     python bench/checkpointing.py [--layers 4] [--rows 8] [--tokens 256] [--threads 2]
 
-The model is qwen2.5-0.5b's architecture (stages/model_shapes.py: hidden 896, 14 heads / 2 KV
+The model is qwen2.5-0.5b's architecture (stages/model/shapes.py: hidden 896, 14 heads / 2 KV
 heads, MLP 4864, vocab 151,936, tied embeddings) with --layers of its 24 layers, fp32, random
 weights. One rank trains one mini-batch of --rows sequences of --tokens tokens each (prompt 32,
 the rest response), in one micro-batch, ZeRO-2, AdamW. Each variant runs in a fresh process so
@@ -41,8 +41,8 @@ def variant(model: str, work: str, rows: int, tokens: int, checkpointing: bool) 
 
     from _update_inputs import make_ctx, write_inputs
     from configs.memory import estimate_memory
-    from stages.launch import init_distributed
-    from stages.update_worker import UpdateJob
+    from stages.ranks.launch import init_distributed
+    from stages.training.worker import UpdateJob
 
     response = tokens - PROMPT
     overrides = [f"data.max_prompt_length={PROMPT}", f"data.max_response_length={response}",
@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     if args.variant:  # a child process: one variant
         print(json.dumps(variant(args.model, args.work, args.rows, args.tokens, args.variant == "on")))
         return {}
-    from stages.model_shapes import parameter_count, save_shaped_model
+    from stages.model.shapes import parameter_count, save_shaped_model
 
     with tempfile.TemporaryDirectory(prefix="stagerl-bench-ckpt-") as tmp:
         model = save_shaped_model("qwen2.5-0.5b", Path(tmp) / "model", "fp32", num_layers=args.layers)

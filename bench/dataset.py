@@ -1,6 +1,6 @@
 """Dataset bench: what a step pays to get its batch (`load_rl_dataset` + `batch_for_step`) with a
-100k-row vs a 1k-row arithmetic dataset (stages/data_tools.py) and the tiny model's tokenizer
-(stages.tiny_model.save_tiny_model). Prints JSON and writes bench/results/dataset.json.
+100k-row vs a 1k-row arithmetic dataset (stages/data/tools.py) and the tiny model's tokenizer
+(stages.model.tiny.save_tiny_model). Prints JSON and writes bench/results/dataset.json.
 
     python bench/dataset.py [--sizes 1000,100000] [--steps 200] [--batch 60] [--rounds 3]
 
@@ -49,7 +49,7 @@ def _median_ms(values) -> float:
 
 
 def _step(config, folder, cache, step):
-    from stages.dataset_cache import load_rl_dataset
+    from stages.data.cache import load_rl_dataset
 
     t0 = time.perf_counter()
     data = load_rl_dataset(config, folder, "train", 0, cache_dir=cache)
@@ -67,12 +67,12 @@ def child(case: str, args) -> dict:
     import numpy  # noqa: F401
     import pyarrow.compute  # noqa: F401
 
-    from stages import dataset_cache  # noqa: F401
+    from stages.data import cache as dataset_cache  # noqa: F401
     imports_s = time.perf_counter() - t0
     config, folders, cache = _config(args.data, args.batch), args.folders.split(","), args.cache
     if case == "uncached":
-        from stages.dataset import RLDataset
-        from stages.models import load_tokenizer
+        from stages.data.dataset import RLDataset
+        from stages.model.models import load_tokenizer
 
         t0 = time.perf_counter()
         batch = RLDataset(config, load_tokenizer(folders[0])).batch_for_step(0)
@@ -123,8 +123,8 @@ def main() -> None:
         print(json.dumps(child(args.child, args)))
         return
 
-    from stages.data_tools import write_arith_dataset
-    from stages.tiny_model import save_tiny_model
+    from stages.data.tools import write_arith_dataset
+    from stages.model.tiny import save_tiny_model
 
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="stagerl-bench-dataset-"))

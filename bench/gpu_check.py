@@ -1,5 +1,5 @@
 """GPU check: transformers rollout and a DeepSpeed ZeRO update of a small Qwen2-shaped model in bf16,
-through stagerl's own code (stages.models.response_log_probs, stages.update_engine, stages.losses).
+through stagerl's own code (stages.model.models.response_log_probs, stages.training.engine, stages.algos.policy_losses).
 Prints one JSON summary: tokens/s, step time, MFU estimate. Run by bench/gpu_check.sh on a GPU
 machine; `--device cpu --preset tiny` runs the same path here as a smoke test.
 
@@ -54,11 +54,11 @@ def rollout(model, args, device) -> dict:
 
 
 def update(model, args, device, n_params: int) -> dict:
-    from stages.batching import collate
-    from stages.launch import init_distributed
-    from stages.losses import compute_policy_loss_vanilla
-    from stages.models import response_log_probs
-    from stages.update_engine import deepspeed_config, make_engine
+    from stages.batches.batching import collate
+    from stages.ranks.launch import init_distributed
+    from stages.algos.policy_losses import compute_policy_loss_vanilla
+    from stages.model.models import response_log_probs
+    from stages.training.engine import deepspeed_config, make_engine
 
     init_distributed(device)
     model.train()
@@ -129,7 +129,7 @@ def resident_engines(model, args, device) -> dict:
     from pathlib import Path
 
     from stages.engines import EngineOptions, Sampling, derive_seed, engine_class, make_spec
-    from stages.tiny_model import train_tokenizer
+    from stages.model.tiny import train_tokenizer
 
     out = {}
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as in a rollout worker process

@@ -1,5 +1,5 @@
 """Launch bench: per-step overhead of the two N-rank stages (logprob + update) on 2 CPU ranks,
-with one persistent rank pool (stages.rank_pool) vs a torchrun launch per call, 3 steps each.
+with one persistent rank pool (stages.ranks.pool) vs a torchrun launch per call, 3 steps each.
 Prints JSON and writes bench/results/launch.json.
 
     python bench/launch.py [--steps 3] [--small]
@@ -77,8 +77,8 @@ def main(argv=None) -> dict:
     if args.hostfile:
         return main_multinode(args)
     from _pool_steps import run_steps
-    from stages.rank_pool import RankPool
-    from stages.tiny_model import save_tiny_model
+    from stages.ranks.pool import RankPool
+    from stages.model.tiny import save_tiny_model
 
     sizes = [] if args.small else DEFAULT_SIZES
     with tempfile.TemporaryDirectory(prefix="stagerl-bench-launch-") as d:
@@ -106,7 +106,7 @@ def main_multinode(args) -> dict:
     network-namespace hosts): per-call DeepSpeed launches over the hostfile (pdsh, ssh) vs one
     multi-node rank pool started once; the two runs' final weights must be identical."""
     from _pool_steps import run_steps
-    from stages.rank_pool import RankPool
+    from stages.ranks.pool import RankPool
     from storage.weights import folder_manifest
 
     sizes = ([] if args.small else DEFAULT_SIZES) + [

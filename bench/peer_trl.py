@@ -75,8 +75,8 @@ def parse_variant(name: str) -> dict:
 def build_inputs(work: Path) -> dict:
     """The tiny model and the prompt set; every templated prompt must fit max_prompt_tokens."""
     from flows.demo import MODEL_OPTIONS
-    from stages.data_tools import make_arith_dataset, write_rows
-    from stages.tiny_model import save_tiny_model
+    from stages.data.tools import make_arith_dataset, write_rows
+    from stages.model.tiny import save_tiny_model
     from transformers import AutoTokenizer
 
     model = save_tiny_model(work / "model", **MODEL_OPTIONS)

@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 
-from stages.data_tools import make_arith_dataset  # noqa: E402
-from stages.scorer_pool import score_batch  # noqa: E402
-from stages.scorer_pool import ScorerPool  # noqa: E402
+from stages.data.tools import make_arith_dataset  # noqa: E402
+from stages.scoring.pool import score_batch  # noqa: E402
+from stages.scoring.pool import ScorerPool  # noqa: E402
 
 
 def arith_rows(n: int) -> list[dict]:

@@ -132,8 +132,8 @@ def main() -> None:
         if e not in ENGINE_OVERRIDES:
             raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINE_OVERRIDES)}")
 
-    from stages.data_tools import write_arith_dataset
-    from stages.tiny_model import save_tiny_model
+    from stages.data.tools import write_arith_dataset
+    from stages.model.tiny import save_tiny_model
 
     results = {"config": "tiny-cpu", "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
                "init_std": args.init_std, "runs": []}

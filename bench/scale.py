@@ -40,7 +40,7 @@ NO_CKPT = ["actor_rollout_ref.model.enable_gradient_checkpointing=false",
 LORA = ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32"]
 GAE_LORA = LORA + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4",
                    "critic.model.lora_rank=16", "critic.model.lora_alpha=32"]
-BF16 = ["actor_rollout_ref.actor.deepspeed.dtype=bf16"]  # actor and critic (stages/update_engine.py)
+BF16 = ["actor_rollout_ref.actor.deepspeed.dtype=bf16"]  # actor and critic (stages/training/engine.py)
 VARIANTS = {"full": [], "full-nockpt": NO_CKPT, "lora16": LORA, "lora16-nockpt": LORA + NO_CKPT,
             "gae-lora16": GAE_LORA, "gae-lora16-bf16": GAE_LORA + BF16}
 DEFAULT = "full,full-nockpt,lora16,lora16-nockpt,gae-lora16,gae-lora16-bf16"
@@ -119,7 +119,7 @@ def with_estimates(table: dict, estimate: dict) -> dict:
 
 def estimates_only(path: Path) -> dict:
     """The stored measurements beside the current plan's estimates (no run: config.json only)."""
-    from stages.model_shapes import shaped_config
+    from stages.model.shapes import shaped_config
 
     result = json.loads(path.read_text())
     with tempfile.TemporaryDirectory(prefix="stagerl-bench-scale-") as tmp_name:
@@ -151,8 +151,8 @@ def main(argv=None) -> dict:
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return result
-    from stages.data_tools import write_arith_dataset
-    from stages.model_shapes import save_shaped_model
+    from stages.data.tools import write_arith_dataset
+    from stages.model.shapes import save_shaped_model
 
     result = {"model": "qwen2.5-0.5b shape (494,032,768 parameters), fp32, random weights",
               "rows_per_step": 8, "threads": args.threads, "variants": {}}

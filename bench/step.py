@@ -46,8 +46,8 @@ def main() -> int:
     from flows.cmd_train import prefect_env
 
     prefect_env(str(work / "runs"))
-    from stages.data_tools import write_arith_dataset
-    from stages.tiny_model import save_tiny_model
+    from stages.data.tools import write_arith_dataset
+    from stages.model.tiny import save_tiny_model
 
     save_tiny_model(work / "model")
     write_arith_dataset(work / "train.parquet", n=600)

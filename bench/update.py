@@ -64,8 +64,8 @@ def overrides(rows: int, mode: str, world: int = 1) -> list:
 
 def time_mode(tmp: Path, model: Path, rows: int, mode: str, repeat: int, dist: str) -> dict:
     from _update_inputs import make_ctx, write_inputs
-    from stages.launch import init_distributed
-    from stages.update_worker import UpdateJob
+    from stages.ranks.launch import init_distributed
+    from stages.training.worker import UpdateJob
 
     ctx = make_ctx(tmp / f"{dist}-{mode}", model, 1, overrides(rows, mode))
     lengths = write_inputs(ctx, seed=7, response_lengths=DISTRIBUTIONS[dist])
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--skip-launch", action="store_true")
     args = ap.parse_args(argv)
-    from stages.tiny_model import save_tiny_model
+    from stages.model.tiny import save_tiny_model
 
     goal = {"speedup": 1.5, "padding_fraction": 0.05}
     with tempfile.TemporaryDirectory(prefix="stagerl-bench-update-") as d:

@@ -11,7 +11,6 @@ from typing import Any, Iterable
 
 import yaml
 
-from configs.registries import REGISTRY_KEYS, registered_names
 from configs.schema import CONFIG_DIR, ConfigError, load_schema
 
 DEFAULT_CONFIG = "base"  # no --config: verl's defaults fill every key a command line leaves out
@@ -220,11 +219,15 @@ def _check_value(path: str, value: Any, warnings: list[str], raw_value: Any = No
         if spec.choices:
             items = value if isinstance(value, list) else [value]
             bad = [v for v in items if v not in spec.choices]
-            if bad and path in REGISTRY_KEYS:  # the registry decides (a newly registered name is accepted)
-                choices = registered_names(path)
-                bad = [v for v in items if v not in choices]
-                if bad:
-                    raise ConfigError(f"{path}: {bad[0]!r} is not one of {list(choices)} (the registered names)")
+            if bad:  # the registry decides (a newly registered name is accepted); imported only here,
+                # as the algorithm registries import torch (a second of start-up for every command)
+                from configs.registries import REGISTRY_KEYS, registered_names
+
+                if path in REGISTRY_KEYS:
+                    choices = registered_names(path)
+                    bad = [v for v in items if v not in choices]
+                    if bad:
+                        raise ConfigError(f"{path}: {bad[0]!r} is not one of {list(choices)} (the registered names)")
             if bad:
                 raise ConfigError(f"{path}: {bad[0]!r} is not one of {list(spec.choices)}")
     if spec.fixed and value != spec.default:

@@ -55,7 +55,7 @@ from configs.schema import ConfigError
 GIB = 2 ** 30
 RUNTIME_GIB = 1.0
 CPU_RUNTIME_GIB = 0.5
-LOGIT_CHUNK = 1024  # positions per vocab projection in stages/models.py (DEFAULT_CHUNK; a test ties them)
+LOGIT_CHUNK = 1024  # positions per vocab projection in stages/model/models.py (DEFAULT_CHUNK; a test ties them)
 ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "float16": 2, "fp16": 2, "auto": 2}
 
@@ -169,7 +169,7 @@ def _update(cfg, role: dict, a: dict, model_key: str, offload_key: str, vocab_ou
 
 def update_stage(roles: dict) -> dict:
     """The update stage of a config with a critic: both roles' engines live in one process per rank
-    (stages/update_worker.py), each holding its weights and states for the whole stage, while
+    (stages/training/worker.py), each holding its weights and states for the whole stage, while
     one role at a time trains (activations, logits) or exports (its gathered fp32 copy): the peak
     is both roles' held memory plus the largest transient, plus one runtime."""
     held = {f"{name} held": est["held_gib"] for name, est in roles.items()}

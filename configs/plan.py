@@ -15,6 +15,7 @@ from typing import Any
 
 from configs.loader import get_path
 from configs.schema import ConfigError
+from stages.algos.advantages import ADV_ESTIMATORS
 
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -47,7 +48,7 @@ def _fmt(value: Any) -> str:
 
 def uses_critic(cfg: dict) -> bool:
     """verl (need_critic in verl/trainer/ppo/utils.py): critic.enable when set, else whether the
-    estimator needs critic values (it declares so in stages.advantages' registry: gae)."""
+    estimator needs critic values (it declares so in stages.algos.advantages' registry: gae)."""
     enable = get_path(cfg, "critic.enable")
     return bool(enable) if enable is not None else "values" in adv_estimator_needs(cfg)
 
@@ -59,8 +60,6 @@ def adv_estimator_needs(cfg: dict) -> frozenset:
 
 
 def _adv_estimator(cfg: dict):
-    from stages.advantages import ADV_ESTIMATORS  # a pure registry module (tests/test_architecture.py)
-
     name = get_path(cfg, "algorithm.adv_estimator")
     if name not in ADV_ESTIMATORS:
         raise ConfigError(f"algorithm.adv_estimator={name!r} is not a registered estimator; registered: "

@@ -1,6 +1,6 @@
 """A stricter reward for the arithmetic task (the README tour's `stagerl rescore`): 1.0 only when
 the response gives the right answer in the format the prompt asks for, "#### <answer>", as its
-last line; the built-in scorer (stages/scorers.py) accepts the last integer anywhere.
+last line; the built-in scorer (stages/scoring/scorers.py) accepts the last integer anywhere.
 verl's custom_reward_function signature: compute_score(data_source, solution_str, ground_truth,
 extra_info)."""
 import re

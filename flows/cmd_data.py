@@ -1,4 +1,4 @@
-"""`stagerl data arith|gsm8k`: write datasets in verl's RL parquet schema (stages/data_tools.py)."""
+"""`stagerl data arith|gsm8k`: write datasets in verl's RL parquet schema (stages/data/tools.py)."""
 import sys
 
 
@@ -12,7 +12,7 @@ def register(subparsers) -> None:
     arith.add_argument("--seed", type=int, default=0)
     arith.add_argument("--difficulty", type=int, default=1, choices=[1, 2, 3, 4, 5],
                        help="1: single-digit +; 2: two-digit +/-; 3: adds *; 4: three-digit; "
-                            "5: three operands (see stages/data_tools.py)")
+                            "5: three operands (see stages/data/tools.py)")
     arith.add_argument("--split", default="train", choices=["train", "test"])
     arith.set_defaults(func=run_arith)
 
@@ -24,7 +24,7 @@ def register(subparsers) -> None:
 
 
 def run_arith(args) -> int:
-    from stages.data_tools import write_arith_dataset
+    from stages.data.tools import write_arith_dataset
 
     out = write_arith_dataset(args.out, n=args.n, seed=args.seed, difficulty=args.difficulty,
                               split=args.split)
@@ -33,7 +33,7 @@ def run_arith(args) -> int:
 
 
 def run_gsm8k(args) -> int:
-    from stages.data_tools import convert_gsm8k, read_records
+    from stages.data.tools import convert_gsm8k, read_records
 
     try:
         out = convert_gsm8k(args.input, args.out, split=args.split)

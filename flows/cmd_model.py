@@ -1,7 +1,7 @@
 """`stagerl model tiny --out DIR`: build the tiny Qwen2-style model and its tokenizer in-process
-(no hub) and write them as an HF folder (stages/tiny_model.py).
+(no hub) and write them as an HF folder (stages/model/tiny.py).
 `stagerl model qwen2.5-0.5b --out DIR [--dtype bf16|fp32]` (and the other names of
-stages/model_shapes.ARCHITECTURES): a model of that real architecture with random weights, for
+stages/model/shapes.py ARCHITECTURES): a model of that real architecture with random weights, for
 checking memory and speed at real size without a download (real weights go in by path)."""
 import sys
 
@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     tiny.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads")
     tiny.add_argument("--vocab-size", type=int, default=512, help="BPE vocab size (specials included)")
     tiny.set_defaults(func=run_tiny)
-    from stages.model_shapes import ARCHITECTURES, DTYPES
+    from stages.model.shapes import ARCHITECTURES, DTYPES
 
     for name in ARCHITECTURES:
         shaped = kinds.add_parser(name, help=f"{name}'s architecture with random weights and the tiny "
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
 
 
 def run_tiny(args) -> int:
-    from stages.tiny_model import TinyModelOptions, describe, save_tiny_model
+    from stages.model.tiny import TinyModelOptions, describe, save_tiny_model
 
     options = dict(
         seed=args.seed,
@@ -58,7 +58,7 @@ def run_tiny(args) -> int:
 
 
 def run_shaped(args) -> int:
-    from stages.model_shapes import describe, parameter_count, save_shaped_model
+    from stages.model.shapes import describe, parameter_count, save_shaped_model
 
     try:
         parameter_count(args.architecture, args.num_layers)  # checks the arguments, costs nothing

@@ -59,7 +59,7 @@ def rescore(view, steps: list, spec: dict) -> list[dict]:
     """One record per stored row of `steps`: step, row, uid, sample_index, data_source, response,
     old and new score, the new function's error (if any) and the kind of change."""
     from stages.reward import scoring_rows
-    from stages.scorer_pool import ScorerPool
+    from stages.scoring.pool import ScorerPool
 
     get = view.config_value
     key = get("data.reward_fn_key", "data_source") or "data_source"

@@ -25,7 +25,7 @@ def run(args) -> int:
 
     from flows.inspect_lib import load_cli_config, open_view
     from flows.length_stats import distribution, prompt_lengths, recommend, run_lengths
-    from stages.models import load_tokenizer
+    from stages.model.models import load_tokenizer
 
     cfg = load_cli_config(args, args.overrides)
     model = os.path.expanduser(str(cfg.get_path("actor_rollout_ref.model.path")))

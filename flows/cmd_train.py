@@ -107,7 +107,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
     from configs.plan import check_trainable
     from configs.schema import ConfigError
     from configs.suggest import make_plan
-    from stages.zygote import prestart
+    from stages.ranks.zygote import prestart
 
     spawner = None
     try:

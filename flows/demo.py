@@ -21,8 +21,8 @@ TRAIN_ROWS, TEST_ROWS, DIFFICULTY = 1000, 100, 1  # single-digit addition
 
 
 def prepare(cfg) -> None:
-    from stages.data_tools import make_arith_dataset, write_rows
-    from stages.tiny_model import describe, save_tiny_model
+    from stages.data.tools import make_arith_dataset, write_rows
+    from stages.model.tiny import describe, save_tiny_model
 
     model = Path(cfg["actor_rollout_ref"]["model"]["path"])
     if not (model / "config.json").exists():

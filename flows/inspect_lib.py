@@ -145,7 +145,7 @@ def rollout_metrics(view, step: int) -> dict:
 def baseline_table(view, step: int, stage: str):
     """The step's greedy baseline answers (stage rollout: rollout/baseline.parquet) or their scores
     (stage reward: reward/baseline.parquet), when the estimator needed them (remax); else None."""
-    from stages import baseline_answers
+    from stages.data import baseline_answers
     from storage.artifacts import read_file
 
     name = baseline_answers.ANSWERS if stage == "rollout" else baseline_answers.SCORES
@@ -307,7 +307,7 @@ def find_row(view, step: int, uid: str, sample: int) -> int:
 def load_tokenizer_for(view, step: int):
     """The tokenizer the step sampled with: the run's model path, else weights/step_{k-1};
     None (token ids shown) when neither is readable here."""
-    from stages.models import load_tokenizer
+    from stages.model.models import load_tokenizer
 
     candidates = []
     path = view.config_value("actor_rollout_ref.model.path")

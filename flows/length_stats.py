@@ -45,7 +45,7 @@ def distribution(lengths) -> dict:
 
 def prompt_lengths(dataset_path: str, data_cfg: dict, tokenizer, chat_template: str | None = None) -> list:
     """Token count of each dataset prompt after the chat template."""
-    from stages.dataset_files import read_parquet_rows
+    from stages.data.files import read_parquet_rows
 
     key = data_cfg.get("prompt_key", "prompt")
     kwargs = dict(data_cfg.get("apply_chat_template_kwargs") or {})

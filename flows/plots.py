@@ -144,7 +144,7 @@ def rank_load(view, step: int):
 
 def token_budget(view):
     """(budget, label) of the update's micro-batches: the plan's actor max_token_len_per_micro_batch
-    (ppo_max_token_len_per_gpu x sp, what stages.binning bounds padded tokens by) when
+    (ppo_max_token_len_per_gpu x sp, what stages.batches.binning bounds padded tokens by) when
     use_dynamic_bsz, else None (micro-batches are formed by row count)."""
     from storage.artifacts import read_run_json
 

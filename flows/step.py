@@ -174,7 +174,7 @@ def check_stage_deployments(cfg: dict) -> dict:
 def stage_flow(stage: str, run_uri: str, step: int, extra: dict | None = None) -> dict:
     """One stage as its own flow run: what the rl-stage/* deployments run on their work pools.
     Its parameters are JSON (the run's URI): the run is opened here from its run.json."""
-    from stages.launch import forget_inherited_rank_env
+    from stages.ranks.launch import forget_inherited_rank_env
 
     forget_inherited_rank_env()
     host = socket.gethostname()

@@ -24,7 +24,7 @@ from configs.memory import check_fits, estimate_memory
 from configs.plan import check_trainable
 from flows.metric_sinks import MetricSinks, check_sinks
 from flows.step_report import step_metrics
-from stages.launch import forget_inherited_rank_env
+from stages.ranks.launch import forget_inherited_rank_env
 from stages.scratch import process_alive, remove_orphans
 from storage.secrets import scrub_override, secret_overrides_from_env
 from stages.session import RunSession
@@ -95,7 +95,7 @@ def _pid_alive(pid: int) -> bool:
 # ---- schedule -------------------------------------------------------------------------------
 def load_dataset(cfg: dict, store: Store, split: str = "train"):
     """The training prompts (tokenised once: the rollout stage reads the same cached rows)."""
-    from stages.dataset_cache import load_rl_dataset
+    from stages.data.cache import load_rl_dataset
 
     model = os.path.expanduser(cfg["actor_rollout_ref"]["model"]["path"])
     cache = os.path.expanduser(cfg["storage"].get("cache_dir") or store.cache_dir)
@@ -112,7 +112,7 @@ def check_ground_truth(cfg: dict, dataset) -> None:
     """Rows with a null reward_model or reward_model.ground_truth cannot be scored by the built-in
     rule scorers: refuse them at load, naming file and row. A user's reward function
     (custom_reward_function.path) or a reward model may not need it: then only warn."""
-    from stages.dataset_files import rows_without_ground_truth
+    from stages.data.files import rows_without_ground_truth
 
     missing = rows_without_ground_truth(dataset.files, dataset.rows)
     if not missing:
@@ -189,7 +189,7 @@ def validate(run: RunHandle, step: int, extra: dict) -> dict | None:
     import pyarrow as pa
 
     from stages.reward import reward_fn_spec, scoring_rows
-    from stages.scorer_pool import score_batch
+    from stages.scoring.pool import score_batch
 
     key = ctx.get("data.reward_fn_key", "data_source")
     spec = reward_fn_spec(ctx)  # the reward stage's: the same function, kwargs and pool
@@ -258,7 +258,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
               f"{plan['rows_per_step']} rows per step", flush=True)
         done, ran, last = [], [], {}
         pool = session.rank_pool = start_rank_pool(cfg, plan, session.spawner)  # in the background too
-        if (cfg.get("warmstart") or {}).get("enable"):  # stages.warmstart: step 0, once, resumable
+        if (cfg.get("warmstart") or {}).get("enable"):  # stages.model.warmstart: step 0, once, resumable
             from flows.step import task_result, retry_options, stage_task
 
             task_result(stage_task.with_options(**retry_options(cfg))(
@@ -330,7 +330,7 @@ def release_lock(lock: ExperimentLock, failing: bool) -> str | None:
 def freeze_heap() -> None:
     """After the first step: collect once, then gc.freeze() what is alive (torch, transformers,
     Prefect, ~500 k objects), so Python's automatic full collections scan only what later steps
-    create instead of pausing ~0.3 s inside a step (stages.rank_server does the same per job)."""
+    create instead of pausing ~0.3 s inside a step (stages.ranks.server does the same per job)."""
     import gc
 
     gc.collect()
@@ -338,9 +338,9 @@ def freeze_heap() -> None:
 
 
 def start_fork_server(cfg: dict, plan: dict):
-    """The run's fork server (stages.zygote) when it has CPU processes to fork (zygote.wanted):
+    """The run's fork server (stages.ranks.zygote) when it has CPU processes to fork (zygote.wanted):
     the one its launcher started before Prefect (`stagerl train`), else a new one; else None."""
-    from stages import zygote
+    from stages.ranks import zygote
 
     if not zygote.wanted(cfg, plan):
         return None
@@ -348,18 +348,18 @@ def start_fork_server(cfg: dict, plan: dict):
 
 
 def start_rank_pool(cfg: dict, plan: dict, spawner=None):
-    """One long-lived group of ranks for the whole run (stages.rank_pool): logprob and update of
+    """One long-lived group of ranks for the whole run (stages.ranks.pool): logprob and update of
     every step reuse it instead of paying a torchrun launch and a DeepSpeed set-up each time. Each
-    rank is a process of the pool and keeps its DeepSpeed engine for the run (stages.update_worker).
+    rank is a process of the pool and keeps its DeepSpeed engine for the run (stages.training.worker).
     With trainer.launcher=deepspeed and a trainer.hostfile the pool's ranks are started once over
-    the hostfile's machines by DeepSpeed's launcher (stages.rank_server's multi-node mode)."""
+    the hostfile's machines by DeepSpeed's launcher (stages.ranks.server's multi-node mode)."""
     world = plan["n_gpus"]
     trainer = cfg["trainer"]
     hostfile = trainer.get("hostfile") if trainer.get("launcher") == "deepspeed" else None
     if world <= 1 or cfg["orchestration"]["mode"] != "local" or (trainer.get("launcher") == "deepspeed"
                                                                  and hostfile is None):
         return None
-    from stages.rank_pool import RankPool
+    from stages.ranks.pool import RankPool
 
     pool = RankPool(world, str(trainer["device"]), hostfile=hostfile, spawner=spawner,
                     heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"]))
@@ -368,7 +368,7 @@ def start_rank_pool(cfg: dict, plan: dict, spawner=None):
 
 
 def prepare_update(pool, run: RunHandle, dataset, total: int) -> None:
-    """Submit stages.update_worker's prepare job for the first step whose update has not run:
+    """Submit stages.training.worker's prepare job for the first step whose update has not run:
     the ranks build its engines (and load the previous state) while that step's rollout runs."""
     from flows.step import stage_is_complete
 
@@ -376,7 +376,7 @@ def prepare_update(pool, run: RunHandle, dataset, total: int) -> None:
         ctx = run.context(step, step_extra(dataset, step, total))
         if not stage_is_complete(ctx, "update"):
             ctx.extra["prepare_only"] = True
-            pool.submit_background("stages.update_worker", ctx)
+            pool.submit_background("stages.training.worker", ctx)
             return
 
 

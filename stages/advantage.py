@@ -4,16 +4,16 @@
    response_length - 1), zeros elsewhere (verl's naive reward manager). An empty response has no
    token to carry a score.
 2. algorithm.use_kl_in_reward: token_level_rewards = scores - beta * kl_penalty(old, ref) (kind
-   algorithm.kl_penalty) via stages.kl.apply_kl_penalty; beta comes from algorithm.kl_ctrl
+   algorithm.kl_penalty) via stages.algos.kl.apply_kl_penalty; beta comes from algorithm.kl_ctrl
    (fixed | adaptive). The adaptive coefficient is run state: step 1 starts from the config, step
    k > 1 loads the state the previous step's advantage manifest stored in extra["kl_ctrl"]["after"]
    (never in-memory state), so a resumed run equals an uninterrupted one bit for bit.
    Otherwise token_level_rewards = token_level_scores and the kl column is zeros.
-3. The estimator algorithm.adv_estimator (stages.advantages registry) with index = uid,
+3. The estimator algorithm.adv_estimator (stages.algos.advantages registry) with index = uid,
    gamma/lam, norm_adv_by_std_in_grpo, and what the estimator declared it needs: the logprob
    stage's `values` (gae), `old_log_probs` and `sum_pi_squared` (optimal_token_baseline), and
    `reward_baselines` (remax: each row's prompt's greedy baseline score, reward/baseline.parquet;
-   stages.baseline_answers).
+   stages.data.baseline_answers).
 
 advantage.parquet (rollout row order, unpadded per-token lists): token_level_rewards, advantages,
 returns, kl. The manifest's extra["metrics"] holds verl's data metrics (compute_data_metrics) and
@@ -43,7 +43,7 @@ class AdvantageInputError(ValueError):
 
 def run(ctx) -> dict:
     t0 = time.perf_counter()
-    from stages.advantages import compute_advantage, get_adv_estimator
+    from stages.algos.advantages import compute_advantage, get_adv_estimator
 
     estimator = ctx.get("algorithm.adv_estimator")
     needs = get_adv_estimator(estimator).needs  # unknown name: lists the registered ones, before any reading
@@ -52,7 +52,7 @@ def run(ctx) -> dict:
     batch = load_batch(ctx, need_values="values" in needs or critic, need_ref=use_kl,
                        need_policy=tuple(n for n in ("old_log_probs", "sum_pi_squared") if n in needs))
     if "baseline" in needs:
-        from stages.baseline_answers import scores_per_row
+        from stages.data.baseline_answers import scores_per_row
 
         try:
             batch["reward_baselines"] = torch.tensor(scores_per_row(ctx, batch["uid"]), dtype=torch.float32)
@@ -65,7 +65,7 @@ def run(ctx) -> dict:
     if use_kl:
         controller = kl_controller(ctx)
         kl_state["before"] = controller.state_dict()
-        from stages.kl import apply_kl_penalty
+        from stages.algos.kl import apply_kl_penalty
 
         rewards, kld, _, kl_metrics = apply_kl_penalty(
             scores, batch["old_log_probs"], batch["ref_log_probs"], mask, controller,
@@ -114,7 +114,7 @@ def stage_fingerprint(ctx, kl_before=None) -> str:
 def kl_controller(ctx):
     """The in-reward KL controller for this step: config at step 1 (and always for `fixed`),
     else the state stored by the previous step's advantage manifest."""
-    from stages.kl import make_kl_controller
+    from stages.algos.kl import make_kl_controller
 
     kind = ctx.get("algorithm.kl_ctrl.type", "fixed")
     controller = make_kl_controller(kind, float(ctx.get("algorithm.kl_ctrl.kl_coef")),

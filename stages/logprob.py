@@ -6,7 +6,7 @@
    extra["permutation"], and each output row's rank in the `rank` column; the artifact itself
    stays in rollout order.
 2. Each rank runs, per pass (the LogprobPass objects of PASSES that the plan needs), forwards in
-   micro-batches from stages.binning.micro_batches, the grouping the update uses too, and puts
+   micro-batches from stages.batches.binning.micro_batches, the grouping the update uses too, and puts
    the outputs back in row order:
    - static: `*_micro_batch_size_per_gpu` consecutive rows, one sequence per tensor row, or with
      model.use_remove_padding the micro-batch's sequences packed into bins (several whole
@@ -25,7 +25,7 @@
    micro-batches (rows, real and padded tokens as the bins lay them out) to
    extra["micro_batches"][role][rank], which the update stage adds to microbatches.parquet as
    role "logprob/<role>"; a progress bar (rank 0) counts micro-batches.
-The vocab projection is chunked (stages.models.response_log_probs): no full-vocab log-softmax
+The vocab projection is chunked (stages.model.models.response_log_probs): no full-vocab log-softmax
 of a whole micro-batch is ever held."""
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ from typing import Callable
 
 import numpy as np
 
-from stages import batching, binning, models
+from stages.batches import batching, binning
+
+from stages.model import models
 from stages.progress import progress
 
 STAGE = "logprob"
@@ -58,7 +60,7 @@ CHUNK = 1024  # positions per vocab projection
 
 def run(ctx) -> dict:
     """Compute the step's logprob.parquet (in rollout row order) and commit it."""
-    from stages.launch import run_ranks
+    from stages.ranks.launch import run_ranks
     from storage.artifacts import read_table, write_table
     from storage.schemas import make_table
 
@@ -142,7 +144,7 @@ def check_inputs(ctx, rollout, world: int) -> None:
 class LogprobPass:
     """One forward pass of the stage: where the plan keeps its micro-batching, the config keys of
     its packing and token budget, how its model loads and which columns its forward gives.
-    rank_main runs every pass alike without asking which one it holds (as stages.update_roles)."""
+    rank_main runs every pass alike without asking which one it holds (as stages.training.roles)."""
     name: str            # plan entry; key of out/extra "loads", "micro_batches", "timings"; printed
     section: str         # plan section of its micro-batching
     size_keys: tuple     # (rows per micro-batch, dynamic?, token budget) keys in that section
@@ -256,7 +258,7 @@ def passes(plan) -> list[LogprobPass]:
 # ---- one rank --------------------------------------------------------------------------------
 def rank_main(ctx, rank: int, world: int) -> dict:
     """This rank's share: {rows (step row indices), per-token columns (lists), loads, timings}."""
-    from stages.launch import init_distributed, rank_device
+    from stages.ranks.launch import init_distributed, rank_device
     from storage.artifacts import read_table
 
     device = str(ctx.extra.get("device") or ctx.get("trainer.device") or "cpu")

@@ -1,8 +1,8 @@
 """reward stage: score every rollout row (verl: the reward manager, verl/workers/reward_manager/naive.py).
 
 Each row is routed by its `data.reward_fn_key` column (default data_source) to the built-in rule
-scorers (stages.scorers) or scored by the user's `custom_reward_function.path/.name`, in worker
-processes with a per-row timeout (stages.scorer_pool.score_batch; reward.num_workers, .timeout_s,
+scorers (stages.scoring.scorers) or scored by the user's `custom_reward_function.path/.name`, in worker
+processes with a per-row timeout (stages.scoring.pool.score_batch; reward.num_workers, .timeout_s,
 .strict). A row whose scorer raises, returns a non-number/non-finite value, or times out scores 0
 with the reason in `error` and is counted in reward/errors or reward/timeouts (strict: the stage
 fails). With reward_model.enable, an HF sequence-classification model scores prompt + response in
@@ -28,8 +28,8 @@ import time
 
 import pyarrow as pa
 
-from stages.batching import restore_order
-from stages import baseline_answers
+from stages.batches.batching import restore_order
+from stages.data import baseline_answers
 from storage.artifacts import read_table, write_stage
 from storage.schemas import make_table
 
@@ -90,7 +90,7 @@ def rule_rewards(ctx, rollout: pa.Table):
     DAPO's overlong penalty when reward_model.reward_manager=dapo and overlong_buffer.enable.
     Returns (scorer results, scores, metrics, overlong penalties or None). The dynamic sampling of
     the rollout stage scores its generation batches with the same function."""
-    from stages.scorer_pool import score_batch
+    from stages.scoring.pool import score_batch
 
     rows = scoring_rows(rollout, ctx.get("data.reward_fn_key", "data_source"))
     fn_spec = reward_fn_spec(ctx)
@@ -274,7 +274,7 @@ def rm_batches(ctx, encoded: list) -> list[list[int]]:
     with one sequence per tensor row (the head reads each row's last token):
     micro_batch_size_per_gpu consecutive rows, or with use_dynamic_bsz at most
     forward_max_token_len_per_gpu padded tokens per batch, longest rows first."""
-    from stages.binning import micro_batches, rows_of
+    from stages.batches.binning import micro_batches, rows_of
 
     plan_rm = (ctx.plan or {}).get("reward_model") or {}
     dynamic = bool(plan_rm.get("use_dynamic_bsz"))

@@ -1,6 +1,6 @@
 """rollout stage: sample n responses per prompt of the step's batch (verl: RayPPOTrainer.fit's generate_sequences, verl/trainer/ppo/ray_trainer.py).
 
-Step k draws batch k-1 of the training set (stages.dataset.RLDataset with the config's `data`
+Step k draws batch k-1 of the training set (stages.data.dataset.RLDataset with the config's `data`
 section; data.seed, else trainer.seed, shuffles) and samples from the policy of step k-1
 (ctx.actor_weights()) with the engine `actor_rollout_ref.rollout.name` (stages.engines: hf | vllm),
 split over the plan's rollout replicas.
@@ -19,7 +19,7 @@ engine, generation timings, tokens/s. `generate_validation(ctx)` samples the val
 val_kwargs for the flows' validation runs.
 
 Baseline answers: when algorithm.adv_estimator declares it needs "baseline" (remax; the
-estimator registry, stages.advantages), the stage also generates one greedy answer (do_sample
+estimator registry, stages.algos.advantages), the stage also generates one greedy answer (do_sample
 false, n 1: verl's ReMax `gen_baseline_batch`) per prompt of the step's rows and stores them in
 rollout/baseline.parquet (the rollout schema, one row per uid, sample_index 0). They are not
 training rows: rollout.parquet keeps train_batch_size × n rows; the reward stage scores the
@@ -31,8 +31,8 @@ import hashlib
 import json
 import time
 
-from stages.baseline_answers import ANSWERS as BASELINE
-from stages.baseline_answers import needs_baseline
+from stages.data.baseline_answers import ANSWERS as BASELINE
+from stages.data.baseline_answers import needs_baseline
 from stages.engines import EngineOptions, Sampling, derive_seed
 
 STAGE = "rollout"
@@ -95,7 +95,7 @@ def warm_up(ctx) -> None:
     a GPU, overlapping the rank pool's start), an in-process hf engine here."""
     if ctx.session is None:
         return
-    from stages.models import check_model_folder
+    from stages.model.models import check_model_folder
 
     model_dir = check_model_folder(ctx.reference_weights(initial=True), "actor_rollout_ref.model.path")
     ctx.session.engines().warm_up(ctx.get(f"{ROLLOUT}.name", "hf"), _engine_options(ctx, model_dir))
@@ -198,8 +198,8 @@ def generate_baseline(ctx, columns: dict, sampling: Sampling, model_dir, tokeniz
 
 def _dataset(ctx, split: str, model_dir):
     """The split's prompts, tokenised once per run: rows are cached by the data files' and the
-    tokenizer files' content (stages.dataset_cache), in memory and in the local cache dir."""
-    from stages.dataset_cache import load_rl_dataset
+    tokenizer files' content (stages.data.cache), in memory and in the local cache dir."""
+    from stages.data.cache import load_rl_dataset
 
     return load_rl_dataset(dict(ctx.get("data") or {}), model_dir, split,
                            int(ctx.get("trainer.seed", 0) or 0), cache_dir=local_cache_dir(ctx),
@@ -217,7 +217,7 @@ def _model_and_tokenizer(ctx):
     """The policy folder this step samples from and a function returning its tokenizer, loaded
     on first call (once per run with a session: every step's folder carries the same tokenizer
     files). Resident engine workers decode themselves, so a run's rollouts never call it."""
-    from stages.models import check_model_folder, load_tokenizer
+    from stages.model.models import check_model_folder, load_tokenizer
 
     model_dir = ctx.actor_weights()
     try:
@@ -231,7 +231,7 @@ def _model_and_tokenizer(ctx):
             if ctx.session is None:
                 loaded["tokenizer"] = load_tokenizer(model_dir)
             else:
-                from stages.dataset_cache import tokenizer_fingerprint
+                from stages.data.cache import tokenizer_fingerprint
 
                 key = ("tokenizer", json.dumps(tokenizer_fingerprint(model_dir), sort_keys=True, default=str))
                 loaded["tokenizer"] = ctx.session.memo(key, lambda: load_tokenizer(model_dir))
@@ -251,7 +251,7 @@ def run(ctx) -> dict:
     t_data = time.perf_counter()
     files = {}
     if ctx.get("algorithm.filter_groups.enable"):  # DAPO: generate until enough groups vary
-        from stages.dynamic_sampling import CANDIDATES, collect_groups
+        from stages.algos.dynamic_sampling import CANDIDATES, collect_groups
         from stages.reward import rule_rewards
 
         columns, engine_timings, positions, files[CANDIDATES] = collect_groups(

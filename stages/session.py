@@ -5,18 +5,18 @@ machine, most tests) it starts what it needs and stops it again. With one, the e
 start once per run:
 
 - `engines()`: the rollout replicas' engines (stages.engines.service.RolloutEngines, resident);
-- `scorers(spec, num_workers, timeout_s)`: the reward scorer processes (stages.scorer_pool);
+- `scorers(spec, num_workers, timeout_s)`: the reward scorer processes (stages.scoring.pool);
 - `defer(...)` / `wait_commits()`: a stage's commit (uploads, then its manifest) in a background
   thread, overlapping the next stage (the update's, with the next step's rollout);
 - `memo(key, make)`: small things derived from immutable inputs (a tokenizer by its files'
   checksum, ...), made once per run; also what a stage keeps between its own calls (the update's
-  DeepSpeed engines: stages.update_worker), released by `on_close`;
-- `rank_pool`: the run's resident ranks (stages.rank_pool), set by the training flow;
-  stages.launch.run_ranks submits N-rank jobs to it instead of launching them;
-- `spawner`: a fork server (stages.zygote) that imported torch, transformers and DeepSpeed once;
+  DeepSpeed engines: stages.training.worker), released by `on_close`;
+- `rank_pool`: the run's resident ranks (stages.ranks.pool), set by the training flow;
+  stages.ranks.launch.run_ranks submits N-rank jobs to it instead of launching them;
+- `spawner`: a fork server (stages.ranks.zygote) that imported torch, transformers and DeepSpeed once;
   the CPU rank pool and hf rollout workers are forked from it (set by the training flow).
 
-A rank process of the pool has a session of its own (stages.rank_server), so what a stage keeps
+A rank process of the pool has a session of its own (stages.ranks.server), so what a stage keeps
 there lives as long as the pool.
 
 The training flow (flows/train.py) makes one session per run and closes it when the run ends,
@@ -40,8 +40,8 @@ class RunSession:
         self.retries, self.retry_delay_s = int(retries), float(retry_delay_s)
         self.retryable = retryable or (lambda exc: False)
         self._on_close: dict = {}
-        self.rank_pool = None  # stages.rank_pool.RankPool of this run (not closed by the session)
-        self.spawner = None  # stages.zygote.Zygote: CPU workers and ranks forked, not started (closed last)
+        self.rank_pool = None  # stages.ranks.pool.RankPool of this run (not closed by the session)
+        self.spawner = None  # stages.ranks.zygote.Zygote: CPU workers and ranks forked, not started (closed last)
         self.closed = False
 
     def on_close(self, name: str, fn) -> None:
@@ -59,9 +59,9 @@ class RunSession:
         return self._engines
 
     def scorers(self, spec: dict, num_workers: int, timeout_s: float):
-        """The run's resident reward scorer pool (stages.scorer_pool) for these settings; a pool
+        """The run's resident reward scorer pool (stages.scoring.pool) for these settings; a pool
         made for other settings is closed and replaced."""
-        from stages.scorer_pool import ScorerPool
+        from stages.scoring.pool import ScorerPool
 
         pool = self._memo.get("scorers")
         if pool is not None and pool.matches(spec, num_workers, timeout_s):

@@ -1,5 +1,5 @@
 """update stage: PPO actor (+ critic) training on the step's rows as a DeepSpeed ZeRO job over the
-plan's world (verl: dp_actor.py/dp_critic.py update_policy/update_critic, core_algos.py losses). The ranks (stages.update_worker) train; this
+plan's world (verl: dp_actor.py/dp_critic.py update_policy/update_critic, core_algos.py losses). The ranks (stages.training.worker) train; this
 process prepares their inputs and commits what they wrote:
 
   train_state/step_{k:06d}/actor, .../critic   DeepSpeed checkpoint (module, optimizer partitions,
@@ -26,46 +26,26 @@ import time
 from functools import partial
 from pathlib import Path
 
-from stages.rank_files import fetch_shipped
+from stages.ranks.files import fetch_shipped
 from stages.scratch import scratch_dir
 
-from stages.batching import format_load_line
+from stages.batches.batching import format_load_line
+from stages.training.state import TRAIN_CONFIG_KEYS, prune_states, state_key
 from storage.artifacts import read_manifest, write_stage
-from storage.lineage import delete_tree
 from storage.schemas import make_table
-from storage.weights import adopt_folder, folder_hashes, load_folder, save_folder, save_weights
+from storage.weights import adopt_folder, folder_hashes, save_folder, save_weights
 
 STAGE = "update"
 INPUTS = ("rollout", "logprob", "advantage")
-CONFIG_KEYS = ("actor_rollout_ref.actor", "actor_rollout_ref.model.path", "actor_rollout_ref.model.lora_rank",
-               "actor_rollout_ref.model.lora_alpha", "actor_rollout_ref.model.target_modules",
-               "actor_rollout_ref.rollout.temperature", "algorithm.rollout_correction",
-               "critic", "data.max_response_length", "trainer.balance_batch", "trainer.critic_warmup",
-               "trainer.total_training_steps", "trainer.n_gpus_per_node", "trainer.nnodes")
-KEEP_STATES = 2  # the newest two are always kept: a rerun of step k needs train_state/step_{k-1}
+CONFIG_KEYS = TRAIN_CONFIG_KEYS
 
-
-def state_key(layout, k: int) -> str:
-    return f"{layout.train_state}/step_{k:06d}"
-
-
-def previous_state(ctx, role: str):
-    """Local folder of train_state/step_{k-1}/<role> (fetched into the local cache if needed).
-    Called by a rank only when it has no engine kept from step k-1 (stages.update_worker), so a
-    run whose rank pool kept its engines never downloads its own checkpoints back."""
-    key = f"{state_key(ctx.layout, ctx.step - 1)}/{role}"
-    try:
-        return load_folder(ctx.store, key, ctx.get("storage.cache_dir"))
-    except Exception as err:  # IncompleteError / FileNotFoundError
-        raise FileNotFoundError(f"update of step {ctx.step} needs the training state of step {ctx.step - 1} "
-                                f"at {ctx.store.url(key)}: {err}") from err
 
 
 def run(ctx) -> dict:
     """Train on N ranks, then commit. With a run session the commit (uploads of the train state
     and weights, metrics, manifest) runs in the background, overlapping the next step's rollout,
     which samples from the exported weights already on this machine; see commit_later."""
-    from stages.launch import run_ranks
+    from stages.ranks.launch import run_ranks
 
     t0 = time.perf_counter()
     world = ctx.plan["n_gpus"]
@@ -74,7 +54,7 @@ def run(ctx) -> dict:
     try:
         ctx.extra["update_work_dir"] = str(work)
         t1 = time.perf_counter()
-        results = run_ranks("stages.update_worker", ctx, world, device=ctx.get("trainer.device") or "cpu",
+        results = run_ranks("stages.training.worker", ctx, world, device=ctx.get("trainer.device") or "cpu",
                             timeout_s=float(ctx.extra.get("update_timeout_s", 3600)))
         fetch_shipped(ctx, work, STAGE, results)  # files of ranks on other machines (no shared disk)
         t2 = time.perf_counter()
@@ -142,7 +122,7 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
                                timings={k: v for k, v in metrics.items() if k.startswith("timing/")},
                                extra={"world": world, "roles": roles,
                                       "rank_hosts": [r.get("host") for r in results]})
-        _prune_states(ctx)
+        prune_states(ctx)
         return manifest
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -176,11 +156,11 @@ def build_metrics(results: list, launch_s: float, upload_s: float) -> dict:
 
 
 def engine_mismatch(ctx, results: list) -> dict:
-    """verl's rollout_corr/* diagnostics (stages.rollout_correction.offpolicy_metrics) between the
+    """verl's rollout_corr/* diagnostics (stages.algos.rollout_correction.offpolicy_metrics) between the
     rollout engine's log-probs (rollout.calculate_log_probs) and the trainer's old log-probs: those
     of the logprob stage's actor pass, or of the update's own first forward when that replaced it.
     Empty when the rollout stored no log-probs."""
-    from stages.rollout_correction import offpolicy_metrics, pad_rows
+    from stages.algos.rollout_correction import offpolicy_metrics, pad_rows
     from storage.artifacts import read_table
 
     rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
@@ -232,33 +212,3 @@ def microbatch_table(results: list, extra_records=()):
     cols = {k: [rec[k] for rec in recs] for k in ("rank", "micro_batch", "rows", "real_tokens", "padded_tokens",
                                                     "mini_batch", "epoch", "role")}
     return make_table("microbatches", cols)
-
-
-def states_to_delete(steps: list[int], latest: int, save_freq: int, keep: int | None) -> list[int]:
-    """Train states to remove after step `latest`'s update, as verl keeps its checkpoints: those at
-    multiples of trainer.save_freq (> 0), the newest `keep` (max_actor_ckpt_to_keep, or the
-    critic's; null or <= 0: all); the newest KEEP_STATES are kept besides (a rerun needs the step
-    before's). So trainer.save_freq=1 keeps every state, and a fork can start at any step."""
-    newest = [k for k in steps if k > latest - KEEP_STATES]
-    saved = sorted(k for k in steps if save_freq > 0 and k % save_freq == 0 or k in newest)
-    if keep is not None and keep > 0:
-        saved = saved[-keep:]
-    return [k for k in steps if 1 <= k <= latest - KEEP_STATES and k not in saved]
-
-
-def _prune_states(ctx) -> None:
-    """Remove the train states states_to_delete names, per role (after the manifest, so a rerun
-    of this step still finds the step before's); a fork that references one gets a copy first
-    (storage.lineage)."""
-    layout = ctx.layout
-    steps = sorted(int(n[5:]) for n in ctx.store.list(layout.train_state)
-                   if n.startswith("step_") and n[5:].isdigit())
-    save_freq = int(ctx.get("trainer.save_freq") or -1)
-    doomed = {role: states_to_delete(steps, ctx.step, save_freq, ctx.get(f"trainer.max_{role}_ckpt_to_keep"))
-              for role in ("actor", "critic")}
-    for k in sorted(set(doomed["actor"]) | set(doomed["critic"])):
-        for role in [r for r in doomed if k in doomed[r]]:
-            delete_tree(ctx.store, f"{state_key(layout, k)}/{role}")
-        if not ctx.store.list(state_key(layout, k)):  # nothing left of that step
-            ctx.store.delete(state_key(layout, k), recursive=True)
-

@@ -2,10 +2,9 @@
 storage, registered by URL scheme. The Store does keys, JSON/parquet, errors and secrets; a
 backend does the few things that differ between a local folder and an object store.
 
-    class MyBackend(Backend):            # e.g. gs:// through gcsfs
-        schemes = ("gs",)
+    @register_backend("gs")              # e.g. gs:// through gcsfs; Store.from_config picks a
+    class MyBackend(Backend):            # backend by the scheme of storage.root
         ...
-    BACKENDS["gs"] = MyBackend           # one line; Store.from_config picks it by the root's scheme
 
 Every backend wraps an fsspec filesystem (`self.fs`) for the calls they share (ls, find, cat,
 put/get file) and implements the ones that differ: an atomic write, a folder delete, a rename.
@@ -16,6 +15,22 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+
+
+BACKENDS: dict[str, type] = {}  # URL scheme -> Backend subclass
+
+
+def register_backend(*schemes: str):
+    """Class decorator: the Backend for store roots with these URL schemes ("file": local paths)."""
+    def register(cls):
+        for scheme in schemes:
+            if BACKENDS.get(scheme, cls) is not cls:
+                raise ValueError(f"a store backend for '{scheme}://' is already registered "
+                                 f"({BACKENDS[scheme].__name__})")
+            BACKENDS[scheme] = cls
+        return cls
+
+    return register
 
 
 class Backend:
@@ -49,6 +64,7 @@ class Backend:
         self.fs.copy(src, dst)
 
 
+@register_backend("file")
 class LocalBackend(Backend):
     """A folder on this machine (or a shared file system)."""
 
@@ -79,6 +95,7 @@ class LocalBackend(Backend):
         self.fs.copy(src, dst)
 
 
+@register_backend("s3", "s3a")
 class S3Backend(Backend):
     """An S3 bucket/prefix (AWS, MinIO, moto) through s3fs. Credentials: the settings' key and
     secret, else those embedded in the root URL (s3://KEY:SECRET@bucket/p; accepted, not kept),
@@ -117,9 +134,6 @@ class S3Backend(Backend):
     def move(self, src: str, dst: str) -> None:
         self.fs.copy(src, dst)  # server-side copy, then delete
         self.fs.rm_file(src)
-
-
-BACKENDS: dict[str, type[Backend]] = {"file": LocalBackend, "s3": S3Backend, "s3a": S3Backend}
 
 
 def backend_for(root: str, settings: dict) -> tuple[Backend, tuple]:

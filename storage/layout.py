@@ -158,7 +158,7 @@ class RunLayout:
 
     def transfer(self, step: int, stage: str) -> str:
         """Where ranks on other machines leave files for the machine that launched them (no shared
-        file system: stages/rank_files.py); removed once that machine has fetched them."""
+        file system: stages/ranks/files.py); removed once that machine has fetched them."""
         return f"{self.base}/_transfer/{check_step(step):06d}/{check_stage(stage)}"
 
     @property

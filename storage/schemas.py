@@ -113,7 +113,7 @@ SCHEMAS = {
         per_token=("old_log_probs", "entropy"),
     ),
     # rollout/candidates.parquet: every answer DAPO's dynamic sampling generated, kept or not
-    # (stages/dynamic_sampling.py); the kept ones are rollout.parquet's rows.
+    # (stages/algos/dynamic_sampling.py); the kept ones are rollout.parquet's rows.
     "rollout_candidates": StageSchema(
         "rollout_candidates",
         required=[("gen_batch", I32), ("uid", pa.string()), ("sample_index", I32), ("data_source", pa.string()),

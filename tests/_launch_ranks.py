@@ -1,4 +1,4 @@
-"""rank_main for test_launch_deepspeed's launcher checks (run by stages.launch.run_ranks): an
+"""rank_main for test_launch_deepspeed's launcher checks (run by stages.ranks.launch.run_ranks): an
 all-reduce over the ranks, the launcher's environment as each rank sees it, rank_entry's context
 sharing as on two hosts (the context only on rank 1's "machine"), and a failure on purpose."""
 import os
@@ -9,8 +9,8 @@ def rank_main(ctx, rank, world):
     import torch
     import torch.distributed as dist
 
-    from stages.launch import init_distributed
-    from stages.rank_entry import share_payload
+    from stages.ranks.launch import init_distributed
+    from stages.ranks.entry import share_payload
 
     init_distributed("cpu")
     if ctx.get("fail_rank") == rank:

@@ -6,7 +6,7 @@ import random
 from configs.loader import load_config
 from configs.suggest import make_plan
 from stages.context import StageContext
-from stages.data_tools import make_arith_dataset
+from stages.data.tools import make_arith_dataset
 from storage.artifacts import write_table
 from storage.schemas import make_table
 
@@ -28,7 +28,7 @@ def make_ctx(root, model_dir, overrides=(), ranks=1, step=1):
 def rollout_rows(tokenizer, n_prompts=4, n=2, max_response=40, seed=0):
     """n adjacent rows per prompt; response lengths skewed (mostly short, a few long): with ~20
     prompt tokens two short sequences fit beside a long one's width, so packed micro-batches
-    (stages.binning) do put several sequences in one tensor row."""
+    (stages.batches.binning) do put several sequences in one tensor row."""
     rng = random.Random(seed)
     rows = []
     records = [make_arith_dataset(1, seed=seed + p, difficulty=1 + (2 * p) % 5)[0] for p in range(n_prompts)]

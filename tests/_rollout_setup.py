@@ -3,8 +3,8 @@ and engine tests, plus a StageContext built on the tiny-cpu config with small sh
 from configs.loader import load_config
 from configs.suggest import make_plan
 from stages.context import StageContext
-from stages.data_tools import write_arith_dataset, write_rows
-from stages.tiny_model import save_tiny_model
+from stages.data.tools import write_arith_dataset, write_rows
+from stages.model.tiny import save_tiny_model
 from storage.layout import RunLayout
 
 SMALL = ["actor_rollout_ref.rollout.name=hf", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "trainer.n_gpus_per_node=1",

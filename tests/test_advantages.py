@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from stages.advantages import (ADV_ESTIMATORS, compute_advantage, get_adv_estimator, masked_mean,
+from stages.algos.advantages import (ADV_ESTIMATORS, compute_advantage, get_adv_estimator, masked_mean,
                                masked_var, masked_whiten)
-from stages.kl import (AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty,
+from stages.algos.kl import (AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty,
                        make_kl_controller)
 from stages.metrics import compute_data_metrics, reduce_metrics
 
@@ -150,7 +150,7 @@ def test_unknown_estimator_lists_registered_names():
     for name in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         assert name in str(err.value)
     assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                   # verl's others (stages/advantages_more.py, tests/test_advantages_verl.py)
+                                   # verl's others (stages/algos/advantages.py, tests/test_advantages_verl.py)
                                    "remax", "opo", "grpo_passk", "gpg", "rloo_vectorized", "grpo_vectorized",
                                    "optimal_token_baseline"}
 

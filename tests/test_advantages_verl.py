@@ -1,4 +1,4 @@
-"""verl's further advantage estimators (stages/advantages_more.py) against hand-computed numbers.
+"""verl's further advantage estimators (stages/algos/advantages.py) against hand-computed numbers.
 
 Each expected value is literal arithmetic from verl's formula (verl/trainer/ppo/core_algos.py, the
 function named in each estimator's docstring), never a call of the function under test. Cases:
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from stages.advantages import ADV_ESTIMATORS, compute_advantage, estimator_needs
+from stages.algos.advantages import ADV_ESTIMATORS, compute_advantage, estimator_needs
 
 T = torch.tensor
 EPS = 1e-6
@@ -286,7 +286,7 @@ def test_needs_declarations():
 
 
 def test_a_name_registers_once():
-    from stages.adv_registry import register_adv_estimator
+    from stages.algos.advantages import register_adv_estimator
 
     with pytest.raises(ValueError, match="already registered"):
         register_adv_estimator("opo")(lambda token_level_rewards, response_mask: None)

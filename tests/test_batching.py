@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from stages import batching
-from stages.batching import (balance_partitions, collate, format_load_line, karmarkar_karp, pad_per_token,
+from stages.batches import batching
+from stages.batches.batching import (balance_partitions, collate, format_load_line, karmarkar_karp, pad_per_token,
                              restore_order, unpad, workload)
-from stages.binning import collate_bins, micro_batch_load, micro_batches, rows_of
-from stages.launch import run_ranks
+from stages.batches.binning import collate_bins, micro_batch_load, micro_batches, rows_of
+from stages.ranks.launch import run_ranks
 
 
 def test_workload_is_verls_formula():
@@ -107,7 +107,7 @@ def test_token_budget_greedy_runs_when_the_exact_cut_would_take_long(monkeypatch
     # above DP_WORK candidates the runs are greedy: as many rows as fit from the longest left.
     # LENGTHS, budget 250: 250 // 100 = 2 rows (100, 60), then 250 // 50 = 5 rows (50, 40, 30,
     # 10, 10): 450 padded tokens where the exact cut gives 320
-    import stages.binning as binning
+    import stages.batches.binning as binning
 
     monkeypatch.setattr(binning, "DP_WORK", 1)
     micro = micro_batches(LENGTHS, budget=250, dynamic=True, packed=False, all_reduce=False)
@@ -146,10 +146,10 @@ def test_token_budget_below_longest_sequence_is_refused():
 
 
 def rank_main(ctx, rank, world):
-    """Each of 2 gloo ranks groups its own lengths (run by stages.launch.run_ranks)."""
+    """Each of 2 gloo ranks groups its own lengths (run by stages.ranks.launch.run_ranks)."""
     import torch.distributed as dist
 
-    from stages.launch import init_distributed
+    from stages.ranks.launch import init_distributed
 
     init_distributed("cpu")
     lens = ctx["lens"][rank]
@@ -176,7 +176,7 @@ def test_token_budget_count_is_all_reduced_over_ranks():
 def test_split_reaches_another_ranks_count_by_halving_bins():
     # lengths 5, 2, 2, budget 10 (1 token per run): runs [5] (6) and [2, 2] (5), 2 micro-batches.
     # Another rank needs 3: the micro-batch with the most rows, [1] [2], goes into two.
-    import stages.binning as binning
+    import stages.batches.binning as binning
 
     original = binning.max_over_ranks
     try:

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.launch import PDSH_EXIT, relayed_errors
-from stages.rank_files import fetch_shipped
-from stages.rank_procs import RankStorageError, job_error
+from stages.ranks.launch import PDSH_EXIT, relayed_errors
+from stages.ranks.files import fetch_shipped
+from stages.ranks.procs import RankStorageError, job_error
 from storage.layout import RunLayout
 from storage.store import Store
 

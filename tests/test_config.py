@@ -192,7 +192,7 @@ def test_registry_backed_keys_accept_what_is_registered():
     newly registered estimator is accepted without touching configs/, an unknown name is refused
     with the registered names."""
     from configs.registries import REGISTRY_KEYS, registered_names
-    from stages.advantages import ADV_ESTIMATORS, register_adv_estimator
+    from stages.algos.advantages import ADV_ESTIMATORS, register_adv_estimator
 
     @register_adv_estimator("my_constant_baseline")
     def my_estimator(token_level_rewards, response_mask, index):

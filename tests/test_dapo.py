@@ -8,7 +8,7 @@ from configs.loader import load_config
 from configs.schema import ConfigError
 from stages import reward as reward_stage
 from stages import rollout
-from stages.dynamic_sampling import DynamicSamplingError, metric_values, varied_groups
+from stages.algos.dynamic_sampling import DynamicSamplingError, metric_values, varied_groups
 from storage.artifacts import read_file, read_manifest
 
 # answers divisible by 3: the score is the response length's parity (varies within most groups); others:
@@ -102,7 +102,7 @@ def test_dynamic_sampling_keeps_varied_groups_and_stores_every_answer(tmp_path, 
     # the prompts consumed: the data position moved gen_batches × 3 prompts
     assert extra["data_position"]["index"] == fg["gen_batches"] * 3
     # step 2 continues where step 1 stopped (its manifest), not at the fixed position of batch 2
-    from stages.dynamic_sampling import start_position
+    from stages.algos.dynamic_sampling import start_position
 
     assert start_position(dapo_ctx(tmp_path, assets, step=2), None) == extra["data_position"]
 

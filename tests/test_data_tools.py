@@ -5,7 +5,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from stages.data_tools import (
+from stages.data.tools import (
     GSM8K_INSTRUCTION, convert_gsm8k, evaluate_expression, make_arith_dataset, write_rows,
 )
 

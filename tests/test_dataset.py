@@ -1,5 +1,5 @@
-"""The RL prompt dataset (stages/dataset.py): verl's data.* keys, truncation, filtering, shuffling,
-epochs and resumable positions; and its rows prepared once per key (stages/dataset_cache.py:
+"""The RL prompt dataset (stages/data/dataset.py): verl's data.* keys, truncation, filtering, shuffling,
+epochs and resumable positions; and its rows prepared once per key (stages/data/cache.py:
 equal to the uncached dataset, kept in memory, read back from disk by a new process, rebuilt
 when the files, settings or tokenizer change or the cache file is damaged)."""
 import json
@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages import dataset_cache
-from stages.data_tools import make_arith_dataset, write_rows
-from stages.dataset import DataPosition, RLDataset, truncate_ids
-from stages.dataset_cache import DatasetCacheWarning, load_rl_dataset
-from stages.tiny_model import train_tokenizer
+from stages.data import cache as dataset_cache
+from stages.data.tools import make_arith_dataset, write_rows
+from stages.data.dataset import DataPosition, RLDataset, truncate_ids
+from stages.data.cache import DatasetCacheWarning, load_rl_dataset
+from stages.model.tiny import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,7 +197,7 @@ def test_rows_without_ground_truth_are_named(tmp_path, tokenizer, tokenizer_dir)
     as FILE row K, from freshly prepared rows and from the disk cache alike; the training flow
     refuses them under the built-in scorers and warns with a reward function of the user's."""
     from flows.train import check_ground_truth
-    from stages.dataset_files import rows_without_ground_truth
+    from stages.data.files import rows_without_ground_truth
 
     first = _arith(tmp_path, n=3, name="a.parquet")
     rows = make_arith_dataset(4, seed=0, difficulty=1)
@@ -220,7 +220,7 @@ def test_rows_without_ground_truth_are_named(tmp_path, tokenizer, tokenizer_dir)
     check_ground_truth({**cfg, "custom_reward_function": {"path": "my_reward.py"}}, cached)  # a warning
 
 
-# -- load_rl_dataset: rows prepared once per key (stages/dataset_cache.py) ------------------------
+# -- load_rl_dataset: rows prepared once per key (stages/data/cache.py) ------------------------
 
 
 @pytest.fixture(autouse=True)
@@ -326,7 +326,7 @@ def test_second_call_in_a_process_does_not_tokenise(tmp_path, tokenizer, tokeniz
 
 _CHILD = """
 import json, sys
-from stages.dataset_cache import load_rl_dataset
+from stages.data.cache import load_rl_dataset
 config, tokenizer_dir, cache_dir = json.loads(sys.argv[1])
 data = load_rl_dataset(config, tokenizer_dir, "train", 0, cache_dir=cache_dir)
 print(json.dumps({"source": data.cache_info["source"], "transformers": "transformers" in sys.modules,

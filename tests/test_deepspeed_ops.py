@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from stages.deepspeed_ops import DEFAULT_DIR, same_ninja
+from stages.ranks.deepspeed_ops import DEFAULT_DIR, same_ninja
 
 
 def test_the_environments_ninja_comes_first_on_path(monkeypatch):
@@ -20,7 +20,7 @@ def test_the_environments_ninja_comes_first_on_path(monkeypatch):
 
 def test_run_time_uses_the_prebuilt_op_folder_unless_told_otherwise():
     assert (DEFAULT_DIR / "deepspeed_shm_comm").is_dir()  # built by make install
-    code = ("import os; from stages.launch import init_distributed; init_distributed('cpu'); "
+    code = ("import os; from stages.ranks.launch import init_distributed; init_distributed('cpu'); "
             "print(os.environ['TORCH_EXTENSIONS_DIR'])")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,

@@ -9,8 +9,8 @@ import pytest
 
 from stages.engines import EngineOptions, Sampling, derive_seed
 from stages.engines.service import RolloutEngines
-from stages.tiny_model import save_tiny_model
-from stages.zygote import Zygote
+from stages.model.tiny import save_tiny_model
+from stages.ranks.zygote import Zygote
 
 ROLLOUT = {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 32, "max_num_batched_tokens": 256,
            "hf_generate_batch_size": 2}
@@ -44,7 +44,7 @@ def _generate(engines, engine, model_dir, replicas=1, rollout=None):
 @pytest.mark.parametrize("engine, replicas, forked", [("hf", 2, False), ("hf", 2, True), ("vllm", 1, False)])
 def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models, engine, replicas, forked):
     """Worker processes (vLLM; hf with several replicas, also forked from a run's fork server,
-    stages.zygote): started once, new weights loaded into them, a killed one restarted (started
+    stages.ranks.zygote): started once, new weights loaded into them, a killed one restarted (started
     afresh on the new weights); every time the rows equal a freshly started engine's."""
     a, b = models
     spawner = Zygote.start() if forked else None

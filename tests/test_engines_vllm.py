@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stages import rollout
-from stages.models import load_policy
+from stages.model.models import load_policy
 from stages.session import RunSession
 from storage.artifacts import read_manifest, read_table
 from tests._rollout_setup import make_assets, make_ctx, rollout_bytes

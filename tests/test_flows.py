@@ -120,8 +120,8 @@ def test_cli_refuses_a_bad_plan_and_an_unknown_experiment(tmp_path):
 def write_run_assets(base: Path) -> Path:
     """The tiny model and the arithmetic train (40 prompts) and test (8) files that
     tiny_overrides points at (this file's and the other flow tests' `assets`)."""
-    from stages.data_tools import write_arith_dataset
-    from stages.tiny_model import save_tiny_model
+    from stages.data.tools import write_arith_dataset
+    from stages.model.tiny import save_tiny_model
 
     save_tiny_model(base / "model")
     write_arith_dataset(base / "train.parquet", n=40)
@@ -131,7 +131,7 @@ def write_run_assets(base: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from stages.data_tools import write_arith_dataset
+    from stages.data.tools import write_arith_dataset
 
     base = write_run_assets(tmp_path_factory.mktemp("assets"))
     write_arith_dataset(base / "train-120.parquet", n=120)  # 2 steps of the CPU default

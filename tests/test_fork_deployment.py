@@ -16,7 +16,7 @@ import pytest
 from test_flow_retry import deployed, run_deployment, wait_for_state  # noqa: F401 (a fixture)
 from test_fork import PROJECT, REPO, cli, files, overrides
 from test_flows import stagerl, write_run_assets
-from stages.update import states_to_delete
+from stages.training.state import states_to_delete
 from storage.artifacts import read_manifest, read_run_json, read_table
 from storage.layout import STAGES, RunLayout
 from storage.store import Store

@@ -14,8 +14,8 @@ from tests._inspect_run import MAX_RESPONSE, build_run, run_config
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from stages.models import load_tokenizer
-    from stages.tiny_model import save_tiny_model
+    from stages.model.models import load_tokenizer
+    from stages.model.tiny import save_tiny_model
 
     path = save_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
     return path, load_tokenizer(path)
@@ -223,7 +223,7 @@ def test_plot_labels_refused_when_missing(run):
 
 
 def test_stats_lengths_and_recommendations(run, tiny, tmp_path, capsys):
-    from stages.data_tools import write_arith_dataset
+    from stages.data.tools import write_arith_dataset
 
     data = write_arith_dataset(tmp_path / "arith.parquet", n=40, seed=3)
     code, out, _ = cli(capsys, "stats", str(data), f"actor_rollout_ref.model.path={tiny[0]}",

@@ -15,14 +15,15 @@ from _update_inputs import make_ctx, write_inputs
 from configs.loader import load_config
 from configs.plan import PlanError
 from configs.suggest import make_plan
-from stages import launch, update
-from stages.launch import deepspeed_command, run_ranks
-from stages.tiny_model import save_tiny_model
+from stages.ranks import launch
+from stages import update
+from stages.ranks.launch import deepspeed_command, run_ranks
+from stages.model.tiny import save_tiny_model
 from storage.artifacts import read_file
 
 REPO = Path(__file__).resolve().parent.parent
 
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.ranks.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
 
 TWO_RANKS = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=45",
              "trainer.n_gpus_per_node=2"]
@@ -56,8 +57,8 @@ def test_update_through_deepspeed_launcher_equals_torchrun(tmp_path, model_dir):
     tr_launch, tr_metrics, tr_weights = run_update(tmp_path / "torchrun", model_dir, [])
     assert ds_launch["launcher"] == "deepspeed" and ds_launch["cmd"][0].endswith("/deepspeed")
     assert ds_launch["cmd"][ds_launch["cmd"].index("--hostfile") + 1] == hosts
-    assert "--no_ssh_check" in ds_launch["cmd"] and ds_launch["cmd"][-4:-2] == ["stages.rank_entry",
-                                                                                 "stages.update_worker"]
+    assert "--no_ssh_check" in ds_launch["cmd"] and ds_launch["cmd"][-4:-2] == ["stages.ranks.entry",
+                                                                                 "stages.training.worker"]
     assert tr_launch["launcher"] == "torchrun" and "torch.distributed.run" in tr_launch["cmd"]
     assert ds_weights.keys() == tr_weights.keys()
     init = load_file(str(model_dir / "model.safetensors"))
@@ -120,7 +121,7 @@ def test_bad_hostfiles_refused_by_key_and_file(tmp_path, monkeypatch):
             assert part in str(err.value), (name, str(err.value))
         assert "trainer.hostfile" in str(err.value), name
     # the command for two hosts: pdsh over ssh (ssh check kept), rendezvous on the first host
-    entry = ["stages.rank_entry", "stages.update_worker", "/x/ctx.json", "cuda"]
+    entry = ["stages.ranks.entry", "stages.training.worker", "/x/ctx.json", "cuda"]
     cmd = deepspeed_command(entry, 4, two, tmp_path, 29555)
     assert cmd[1:9] == ["--hostfile", two, "--master_addr", "node-a", "--master_port", "29555", "--no_local_rank",
                         "--log_level"]
@@ -140,7 +141,7 @@ def test_in_process_group_binds_no_port():
     code = r'''
 import os, socket
 import torch, torch.distributed as dist
-from stages import launch
+from stages.ranks import launch
 taken = socket.socket(); taken.bind(("", 0)); taken.listen(1)
 launch.free_port = lambda: taken.getsockname()[1]  # every port it would name is taken
 for _ in range(2):

@@ -1,11 +1,15 @@
 """logprob stage: log-probs, entropy and critic values equal a single full-batch forward in every
-micro-batch mode (static / token budget x padded / packed, stages.binning) on 1 and 2 real ranks;
+micro-batch mode (static / token budget x padded / packed, stages.batches.binning) on 1 and 2 real ranks;
 loads and micro-batch records count the bins' real and padded tokens; stored permutation; errors."""
 import pytest
 import torch
 
-from stages import batching, binning, logprob, models
-from stages.tiny_model import save_tiny_model
+from stages.batches import batching, binning
+
+from stages import logprob
+
+from stages.model import models
+from stages.model.tiny import save_tiny_model
 from storage.artifacts import read_table
 from tests._logprob_rows import make_ctx, rollout_rows, write_rollout
 
@@ -222,7 +226,7 @@ def test_binned_layout_equals_the_full_batch(model_dir, rows, full_batch):
     """binning.collate_bins (the update's token-budget layout: several whole sequences per tensor
     row, positions restarting per sequence) gives the same log-probs, entropy and values as the
     reference forward; bins do hold more than one sequence here."""
-    from stages.binning import collate_bins, rows_of
+    from stages.batches.binning import collate_bins, rows_of
 
     model, critic = models.load_policy(model_dir), models.load_critic(model_dir, seed=1)
     assert len(rows) == 8

@@ -1,4 +1,4 @@
-"""LoRA (stages/lora.py): merged exports equal the adapted model, only adapters (and a critic's
+"""LoRA (stages/model/lora.py): merged exports equal the adapted model, only adapters (and a critic's
 value head) train, the optimizer holds the adapters' states only, resume through train_state is
 bit-identical, and the plan's memory estimate counts adapter parameters."""
 import json
@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 
 from _update_inputs import make_ctx, write_inputs
 from stages import update
-from stages.lora import add_adapters, adapter_scalings, merge_adapters
-from stages.models import load_policy
-from stages.tiny_model import save_tiny_model
+from stages.model.lora import add_adapters, adapter_scalings, merge_adapters
+from stages.model.models import load_policy
+from stages.model.tiny import save_tiny_model
 from storage.artifacts import read_file
 
 LORA = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.lora_rank=4",
@@ -66,8 +66,8 @@ def run_update(root, model_dir, overrides, step=1):
 
 
 def test_only_adapters_train_and_the_optimizer_holds_only_theirs(tmp_path, model_dir):
-    from stages.launch import init_distributed
-    from stages.update_worker import UpdateJob
+    from stages.ranks.launch import init_distributed
+    from stages.training.worker import UpdateJob
 
     _, metrics, weights = run_update(tmp_path / "run", model_dir, LORA)
     init = load_file(str(model_dir / "model.safetensors"))
@@ -88,8 +88,8 @@ def test_only_adapters_train_and_the_optimizer_holds_only_theirs(tmp_path, model
 
 
 def test_resume_through_train_state_equals_one_process(tmp_path, model_dir):
-    from stages.launch import init_distributed
-    from stages.update_worker import UpdateJob
+    from stages.ranks.launch import init_distributed
+    from stages.training.worker import UpdateJob
 
     run_update(tmp_path / "jobs", model_dir, LORA, step=1)
     _, m2, two_jobs = run_update(tmp_path / "jobs", model_dir, LORA, step=2)
@@ -119,7 +119,7 @@ def test_critic_with_lora_trains_adapters_and_its_value_head(tmp_path, model_dir
     update.run(ctx)
     critic = load_file(os.path.join(ctx.store.path(ctx.layout.critic_weights(1)), "model.safetensors"))
     assert not any("lora_" in k or "base_layer" in k for k in critic)
-    from stages.models import load_critic
+    from stages.model.models import load_critic
 
     start = load_critic(model_dir, seed=ctx.get("trainer.seed")).state_dict()
     assert not torch.equal(start["score.weight"], critic["score.weight"])  # the value head trains in full
@@ -130,7 +130,7 @@ def test_memory_estimate_counts_adapter_parameters(tmp_path):
     from configs.loader import load_config
     from configs.memory import GIB, estimate_memory
     from configs.suggest import make_plan
-    from stages.model_shapes import shaped_config
+    from stages.model.shapes import shaped_config
 
     shaped_config("qwen2.5-0.5b").save_pretrained(tmp_path)
     cfg = load_config("gsm8k-qwen2.5-0.5b", [f"actor_rollout_ref.model.path={tmp_path}", f"critic.model.path={tmp_path}",

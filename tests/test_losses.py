@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stages.losses import (AGG_MODES, POLICY_LOSSES, agg_loss, compute_policy_loss_vanilla,
+from stages.algos.policy_losses import (AGG_MODES, POLICY_LOSSES, agg_loss, compute_policy_loss_vanilla,
                            compute_value_loss, entropy_from_logits, get_policy_loss)
 
 T = torch.tensor

@@ -10,7 +10,7 @@ import pytest
 from configs.loader import load_config
 from configs.memory import CPU_RUNTIME_GIB, GIB, LOGIT_CHUNK, DoesNotFit, check_fits, estimate_memory
 from configs.suggest import make_plan
-from stages.model_shapes import shaped_config
+from stages.model.shapes import shaped_config
 
 REPO = Path(__file__).resolve().parent.parent
 P = 494_032_768  # Qwen2.5-0.5B's parameters (tests/test_model_shapes.py)
@@ -86,13 +86,13 @@ def test_no_model_config_no_estimate(tmp_path):
 
 
 def test_logit_chunk_is_the_models():
-    from stages.models import DEFAULT_CHUNK
+    from stages.model.models import DEFAULT_CHUNK
 
     assert LOGIT_CHUNK == DEFAULT_CHUNK
 
 
 def test_actor_and_critic_share_the_update_process(qwen_config_dir):
-    """GAE: both roles' engines live in the update's one process per rank (stages/update_worker.py),
+    """GAE: both roles' engines live in the update's one process per rank (stages/training/worker.py),
     each holding its weights and states for the whole stage while one at a time trains or exports."""
     lora = ["algorithm.adv_estimator=gae", "actor_rollout_ref.model.lora_rank=16", "critic.model.lora_rank=16"]
     cfg = config(qwen_config_dir, *lora)

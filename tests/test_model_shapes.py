@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from stages.model_shapes import ARCHITECTURES, parameter_count
+from stages.model.shapes import ARCHITECTURES, parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def test_published_sizes():
 
 
 def test_cli_writes_a_folder_the_stages_load(tmp_path):
-    from stages.models import load_policy, load_tokenizer
+    from stages.model.models import load_policy, load_tokenizer
 
     out = tmp_path / "qwen-1-layer"
     run = subprocess.run([sys.executable, "-m", "flows.cli", "model", "qwen2.5-0.5b", "--out", str(out),

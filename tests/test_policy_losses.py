@@ -1,4 +1,4 @@
-"""verl's policy-loss modes (stages/policy_losses.py; verl/trainer/ppo/core_algos.py): hand-computed
+"""verl's policy-loss modes (stages/algos/policy_losses.py; verl/trainer/ppo/core_algos.py): hand-computed
 numbers on one 2x3 batch under every loss_agg_mode, a row with no valid token, micro-batch and rank
 splits with the global normalisers, the config keys and their checks, verl's example command lines
 through the plan, and the update stage training the tiny model with every mode."""
@@ -10,7 +10,7 @@ import torch
 from configs.loader import load_config
 from configs.schema import ConfigError
 from configs.suggest import make_plan
-from stages.losses import AGG_MODES, POLICY_LOSSES, get_policy_loss
+from stages.algos.policy_losses import AGG_MODES, POLICY_LOSSES, get_policy_loss
 
 T = torch.tensor
 LN2 = math.log(2.0)
@@ -374,7 +374,7 @@ VERL_EXAMPLES = {
 
 @pytest.mark.parametrize("script", list(VERL_EXAMPLES))
 def test_verl_example_loss_keys_plan(script):
-    from stages.advantages import ADV_ESTIMATORS
+    from stages.algos.advantages import ADV_ESTIMATORS
 
     estimator = next(o.split("=")[1] for o in VERL_EXAMPLES[script] if "adv_estimator=" in o)
     if estimator not in ADV_ESTIMATORS:
@@ -388,7 +388,7 @@ def test_verl_example_loss_keys_plan(script):
 # ------------------------------------------------------------------ the update stage, every mode
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from stages.tiny_model import save_tiny_model
+    from stages.model.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 

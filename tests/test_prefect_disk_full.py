@@ -35,8 +35,8 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
-    from stages.data_tools import write_arith_dataset
-    from stages.tiny_model import save_tiny_model
+    from stages.data.tools import write_arith_dataset
+    from stages.model.tiny import save_tiny_model
 
     assets = tmp_path / "assets"
     save_tiny_model(assets / "model")

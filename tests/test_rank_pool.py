@@ -1,4 +1,4 @@
-"""Persistent rank pool (stages.rank_pool): one torchrun job reused by every N-rank stage.
+"""Persistent rank pool (stages.ranks.pool): one torchrun job reused by every N-rank stage.
 
 Real torchrun jobs with 2 gloo ranks: each pool start costs ~10 s, each per-call launch 6-13 s."""
 import os
@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from _pool_steps import run_steps
-from stages.rank_pool import RankPool
-from stages.tiny_model import save_tiny_model
+from stages.ranks.pool import RankPool
+from stages.model.tiny import save_tiny_model
 from flows.step import is_retryable
 from storage.artifacts import read_file, read_table
 from storage.store import StoreError
 
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.ranks.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
 
 
 def gone(pid: int, wait_s: float = 20) -> bool:

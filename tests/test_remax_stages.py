@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stages import advantage, logprob, reward, rollout
-from stages.baseline_answers import ANSWERS, SCORES
+from stages.data.baseline_answers import ANSWERS, SCORES
 from storage.artifacts import read_file, read_table
 from tests._rollout_setup import make_assets, make_ctx
 

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from stages.reward_fns import (
+from stages.scoring.reward_fns import (
     RewardFnSpec, RewardFunctionNotFound, RewardScoringError, load_reward_fn, normalise_result)
-from stages.scorer_pool import ScorerPool, score_batch
+from stages.scoring.pool import ScorerPool, score_batch
 
 REWARD_FILE = textwrap.dedent('''
     import os, time

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from stages import reward as reward_stage
-from stages.reward_fns import RewardScoringError
+from stages.scoring.reward_fns import RewardScoringError
 from storage.artifacts import read_manifest, read_table
 from tests._stage_tables import make_ctx, write_rollout
 
@@ -112,7 +112,7 @@ def save_tiny_reward_model(folder, nan_token=None):
     import torch
     from transformers import AutoModelForSequenceClassification, Qwen2Config
 
-    from stages.tiny_model import ENDOFTEXT, train_tokenizer
+    from stages.model.tiny import ENDOFTEXT, train_tokenizer
 
     tokenizer = train_tokenizer(512)
     pad = tokenizer.convert_tokens_to_ids(ENDOFTEXT)

@@ -7,7 +7,7 @@ import torch
 
 from stages import rollout
 from stages.engines import replica_shares
-from stages.models import load_policy
+from stages.model.models import load_policy
 from storage.artifacts import is_complete, read_manifest, read_table
 from tests._rollout_setup import make_assets, make_ctx, rollout_bytes, write_dataset
 
@@ -139,7 +139,7 @@ def test_missing_prompt_column(tmp_path, assets):
 
 
 def test_empty_prompt_names_the_row(tmp_path, assets):
-    from stages.data_tools import make_arith_dataset
+    from stages.data.tools import make_arith_dataset
 
     rows = make_arith_dataset(8, seed=0)
     rows[3]["prompt"] = [{"role": "user", "content": ""}]

@@ -1,4 +1,4 @@
-"""Truncated importance sampling and verl's off-policy metrics (stages/rollout_correction.py),
+"""Truncated importance sampling and verl's off-policy metrics (stages/algos/rollout_correction.py),
 checked against numbers worked by hand."""
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 from configs.loader import load_config
 from configs.schema import ConfigError
-from stages.rollout_correction import offpolicy_metrics, pad_rows, rollout_is_weights
+from stages.algos.rollout_correction import offpolicy_metrics, pad_rows, rollout_is_weights
 
 # row 0: 2 valid tokens of 3 (a response cut short), row 1: 3 tokens where engine and trainer agree
 OLD = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])
@@ -90,7 +90,7 @@ def test_update_records_engine_mismatch_against_either_source_of_old_log_probs(t
     on-policy shortcut they come from the update's own forward (update/log_probs.parquet)."""
     from _update_inputs import make_ctx, write_inputs
     from stages import update
-    from stages.tiny_model import save_tiny_model
+    from stages.model.tiny import save_tiny_model
     from storage.artifacts import read_file
 
     model_dir = save_tiny_model(tmp_path / "model")
@@ -119,7 +119,7 @@ def test_update_applies_truncated_importance_weights(tmp_path):
     weight is 0.5. (ppo_epochs=2: old log-probs come from the logprob table, as written.)"""
     from _update_inputs import make_ctx, write_inputs
     from stages import update
-    from stages.tiny_model import save_tiny_model
+    from stages.model.tiny import save_tiny_model
     from storage.artifacts import read_file
 
     model_dir = save_tiny_model(tmp_path / "model")

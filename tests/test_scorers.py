@@ -1,7 +1,7 @@
 """Rule scorers: verl's GSM8K and \\boxed{} math rules, the arith task, dispatch by data_source."""
 import pytest
 
-from stages.scorers import (
+from stages.scoring.scorers import (
     GSM8K_CLIP_CHARS, UnknownDataSourceError, compute_score_arith, compute_score_gsm8k,
     compute_score_math, default_compute_score, extract_last_integer, extract_solution, is_equiv,
     last_boxed_only_string, remove_boxed, strip_string)

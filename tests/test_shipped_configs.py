@@ -46,8 +46,8 @@ def cpu_substitutions(assets: Path, root: Path, gsm8k: bool) -> list:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from stages.data_tools import gsm8k_rows, write_arith_dataset, write_rows
-    from stages.tiny_model import save_tiny_model
+    from stages.data.tools import gsm8k_rows, write_arith_dataset, write_rows
+    from stages.model.tiny import save_tiny_model
 
     base = tmp_path_factory.mktemp("shipped")
     save_tiny_model(base / "model")

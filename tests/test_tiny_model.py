@@ -1,10 +1,10 @@
-"""The tiny Qwen2-style model and its in-process tokenizer (stages/tiny_model.py)."""
+"""The tiny Qwen2-style model and its in-process tokenizer (stages/model/tiny.py)."""
 import pytest
 
 torch = pytest.importorskip("torch")
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Tokenizer  # noqa: E402
 
-from stages.tiny_model import (  # noqa: E402
+from stages.model.tiny import (  # noqa: E402
     CHAT_TEMPLATE, TinyModelOptions, build_tiny_model, save_tiny_model, train_tokenizer,
 )
 

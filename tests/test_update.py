@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from _update_inputs import make_ctx, write_inputs
 from stages import update
-from stages.tiny_model import save_tiny_model
+from stages.model.tiny import save_tiny_model
 from storage.artifacts import read_file, read_table
 
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.ranks.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +131,8 @@ def test_every_parameter_changes_and_metrics(tmp_path, model_dir):
 
 def test_two_updates_from_train_state_equal_one_process(tmp_path, model_dir):
     """Step 1 and step 2 as two jobs (state through train_state/) == both in one process, bit for bit."""
-    from stages.launch import init_distributed
-    from stages.update_worker import UpdateJob
+    from stages.ranks.launch import init_distributed
+    from stages.training.worker import UpdateJob
 
     ov = STATIC_3 + ["actor_rollout_ref.actor.optim.warmup_style=cosine", "actor_rollout_ref.actor.optim.lr_warmup_steps=0"]
     # two jobs
@@ -178,7 +178,7 @@ def test_bf16_exports_fp32_master_weights_and_refuses_bad_offload(tmp_path, mode
 
 
 def test_lr_schedule_matches_verl():
-    from stages.update_engine import lr_factor, step_lr
+    from stages.training.engine import lr_factor, step_lr
 
     assert lr_factor(0, "constant", 4, None) == 0.0 and lr_factor(2, "constant", 4, None) == 0.5
     assert lr_factor(9, "constant", 4, None) == 1.0 and lr_factor(0, "constant", 0, None) == 1.0
@@ -282,8 +282,8 @@ def test_gradient_checkpointing_is_on_and_changes_no_result(tmp_path, model_dir)
     """model.enable_gradient_checkpointing (actor and critic): the trained modules recompute their
     layers in backward (transformers' non-reentrant checkpointing), and weights and metrics equal
     those of a run without it, bit for bit."""
-    from stages.launch import init_distributed
-    from stages.update_worker import UpdateJob
+    from stages.ranks.launch import init_distributed
+    from stages.training.worker import UpdateJob
 
     ov = STATIC_3 + ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4"]
     on = ["actor_rollout_ref.model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true"]
@@ -305,8 +305,8 @@ def test_gradient_checkpointing_is_on_and_changes_no_result(tmp_path, model_dir)
 
 MUON_CHECK = r"""
 import sys, torch
-from stages.launch import init_distributed
-from stages.update_engine import MUON_MODULES, deepspeed_config, make_engine
+from stages.ranks.launch import init_distributed
+from stages.training.engine import MUON_MODULES, deepspeed_config, make_engine
 
 def train(stage):
     torch.manual_seed(0)
@@ -336,7 +336,7 @@ print("equal", "torch._inductor.compile_fx" in sys.modules)
 
 
 def test_engines_skip_deepspeeds_muon_import_and_train_the_same(tmp_path):
-    """stages.update_engine.stand_in_for_muon: the ZeRO-1/2 engines never import DeepSpeed's Muon
+    """stages.training.engine.stand_in_for_muon: the ZeRO-1/2 engines never import DeepSpeed's Muon
     modules (whose torch.compile decorators import torch._inductor's compiler: seconds in step 1),
     and train bit-identically to engines that did import them."""
     import subprocess

@@ -3,11 +3,11 @@ import torch
 
 from configs.loader import load_config
 from configs.suggest import make_plan
-from stages import warmstart
+from stages.model import warmstart
 from stages.context import StageContext
-from stages.data_tools import make_arith_dataset, write_rows
-from stages.models import load_policy
-from stages.tiny_model import save_tiny_model
+from stages.data.tools import make_arith_dataset, write_rows
+from stages.model.models import load_policy
+from stages.model.tiny import save_tiny_model
 from storage.artifacts import read_manifest
 
 

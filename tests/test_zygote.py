@@ -1,4 +1,4 @@
-"""The fork server (stages.zygote): CPU workers and ranks forked from one Python that imported
+"""The fork server (stages.ranks.zygote): CPU workers and ranks forked from one Python that imported
 torch, transformers and DeepSpeed once. Real processes: the children's exit codes, output, env,
 threads and passed fds; a 2-rank gloo pool forked from it runs jobs, survives a dead rank and
 leaves nothing behind; an hf rollout worker forked from it gives the same rows as a fresh one."""
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from stages.rank_pool import RankPool
-from stages.zygote import ForkedProcess, Zygote
+from stages.ranks.pool import RankPool
+from stages.ranks.zygote import ForkedProcess, Zygote
 from test_rank_pool import gone
 
 
@@ -74,7 +74,7 @@ def test_a_launcher_hands_its_fork_server_to_the_run(tmp_path, monkeypatch):
     taken once, only by the process it was offered to, and the run's close stops it."""
     from configs.loader import load_config
     from configs.suggest import make_plan
-    from stages.zygote import HANDOVER_ENV, prestart, wanted
+    from stages.ranks.zygote import HANDOVER_ENV, prestart, wanted
 
     monkeypatch.delenv(HANDOVER_ENV, raising=False)
     one_rank = load_config("tiny-cpu", ["trainer.n_gpus_per_node=1"])

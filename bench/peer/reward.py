@@ -2,10 +2,10 @@
 
 stagerl loads it as `custom_reward_function.path` (verl's signature `compute_score(data_source,
 solution_str, ground_truth, extra_info)`); TRL's GRPOTrainer gets `trl_reward`, the same rule
-wrapped in TRL's `reward_funcs` signature. It imports only stages/scorers.py (standard library
+wrapped in TRL's `reward_funcs` signature. It imports only stages/scoring/scorers.py (standard library
 only), so it loads in either virtual environment.
 
-The rule is stagerl's arithmetic scorer (stages.scorers.compute_score_arith): 1.0 when the last
+The rule is stagerl's arithmetic scorer (stages.scoring.scorers.compute_score_arith): 1.0 when the last
 integer of the response equals the integer ground truth, else 0.0. Even an untrained tiny model
 hits it now and then (its responses are random tokens, digits among them), so the advantages are
 not all zero and both trainers do a real update.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: stages.scorers
-from stages.scorers import compute_score_arith  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: stages.scoring.scorers
+from stages.scoring.scorers import compute_score_arith  # noqa: E402
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/peer/stagerl_run.py --out run.json --experiment NAME [--t0 T] key=value ...
 
 Runs flows.train.train(config="tiny-cpu", overrides) as `stagerl train` does (the run's fork
-server started first: stages.zygote.prestart) against the Prefect server named by
+server started first: stages.ranks.zygote.prestart) against the Prefect server named by
 PREFECT_API_URL (bench/peer_trl.py starts one for all runs) and writes one JSON: for every step
 the wall-clock time (time.time()) at which the flow logged it and the metrics it logged, which
 include timing_s/step (the training loop's whole iteration, measured by the flow from the top of
@@ -60,7 +60,7 @@ def main() -> int:
     if not os.environ.get("PREFECT_API_URL"):
         raise SystemExit("PREFECT_API_URL is not set: bench/peer_trl.py starts the Prefect server for all runs")
     from configs.loader import load_config
-    from stages.zygote import prestart
+    from stages.ranks.zygote import prestart
 
     spawner = prestart(load_config("tiny-cpu", list(args.overrides)))  # as `stagerl train` does
     import torch

@@ -117,7 +117,7 @@ def eos_token_ids(model_dir) -> list[int]:
                 ids = value if isinstance(value, list) else [value]
                 break
     if not ids:
-        from stages.models import load_tokenizer
+        from stages.model.models import load_tokenizer
 
         tok = load_tokenizer(folder)
         ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -241,7 +241,7 @@ def make_spec(options: EngineOptions, engine: str, replica: int, num_replicas: i
 
 def check_rows(prompt_ids: list[list[int]], row_seeds: list[int], model_dir) -> None:
     """Refuse what no engine can run, naming the row or the folder."""
-    from stages.models import check_model_folder
+    from stages.model.models import check_model_folder
 
     if len(prompt_ids) != len(row_seeds):
         raise ValueError(f"{len(prompt_ids)} rows but {len(row_seeds)} seeds")

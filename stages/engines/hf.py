@@ -76,7 +76,7 @@ class HFEngine(Engine):
         self.asleep = False
 
     def start(self, spec: EngineSpec) -> dict:
-        from stages.models import load_policy
+        from stages.model.models import load_policy
 
         t0 = time.perf_counter()
         self.device = "cuda" if spec.device == "cuda" else "cpu"

@@ -39,7 +39,7 @@ def in_process_resident(specs) -> bool:
 class RolloutEngines:
     def __init__(self, resident: bool = True, log_dir=None, spawner=None):
         self.resident = resident
-        self.spawner = spawner  # stages.zygote.Zygote: hf CPU workers are forked from it
+        self.spawner = spawner  # stages.ranks.zygote.Zygote: hf CPU workers are forked from it
         self._own_log_dir = log_dir is None  # removed on close (a failure quotes its log tail)
         self.log_dir = str(log_dir or scratch_dir("engines"))
         self.workers: dict[int, EngineWorker] = {}

@@ -54,7 +54,7 @@ class EngineWorker:
         env = engine_class(spec.engine).process_env(spec, env)
         forked = spawner is not None and spawner.alive() and spec.engine == "hf" and spec.device == "cpu"
         with self.log_path.open("ab") as log:
-            if forked:  # from the run's fork server (stages.zygote): torch and transformers are imported
+            if forked:  # from the run's fork server (stages.ranks.zygote): torch and transformers are imported
                 self.proc = spawner.popen("stages.engines.worker:main", ["{fd0}"], env, stdout=log, stderr=log,
                                           pass_fds=(theirs.fileno(),))
             else:
@@ -172,7 +172,7 @@ def _tokenizer(engine):
     folder carries the same tokenizer files): responses are decoded here, next to the engine, so
     the training flow's process never loads transformers for a rollout."""
     if "tokenizer" not in _TOKENIZER:
-        from stages.models import load_tokenizer
+        from stages.model.models import load_tokenizer
 
         _TOKENIZER["tokenizer"] = load_tokenizer(_TOKENIZER["dir"])
     return _TOKENIZER["tokenizer"]
@@ -208,7 +208,7 @@ def serve(fd: int) -> int:
 
 
 def main(args: list) -> int:
-    """The entry point a fork server calls (stages.zygote): args = [fd]."""
+    """The entry point a fork server calls (stages.ranks.zygote): args = [fd]."""
     return serve(int(args[0]))
 
 

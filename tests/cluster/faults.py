@@ -111,8 +111,8 @@ def run_faults(cluster, params: dict, root: str, heartbeat_s: float, say) -> dic
     t_outage = time.time()
     say(f"faults: S3 outage of {OUTAGE_S:.0f} s started during the retried rollout of step 1")
     trn2 = cluster["trn2"]
-    # a rank: `python -u -m stages.rank_entry stages.update_worker ...` (its launcher has --module instead)
-    rank = wait_for("trn2's update rank", lambda: host_processes(trn2, r" -u -m stages\.rank_entry stages\.update_worker"),
+    # a rank: `python -u -m stages.ranks.entry stages.training.worker ...` (its launcher has --module instead)
+    rank = wait_for("trn2's update rank", lambda: host_processes(trn2, r" -u -m stages\.ranks\.entry stages\.training\.worker"),
                     300)
     timings["outage_to_update_s"] = round(time.time() - t_outage, 1)
     time.sleep(1.0)

@@ -78,8 +78,8 @@ def ensure_tools() -> str | None:
 
 def write_image(cluster) -> Path:
     """What every host may read, like a machine image: the tiny model, the data, the hostfile."""
-    from stages.data_tools import write_arith_dataset
-    from stages.tiny_model import save_tiny_model
+    from stages.data.tools import write_arith_dataset
+    from stages.model.tiny import save_tiny_model
 
     image = cluster.base / "image"
     save_tiny_model(image / "model")

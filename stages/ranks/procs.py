@@ -1,0 +1,75 @@
+"""What a per-call rank launch (stages.ranks.launch) and the rank pool (stages.ranks.pool) share: the
+checkout root ranks run in, free ports, the context payload a rank rebuilds its StageContext
+from, stopping a launcher's process group, and the exception a failed job raises (a storage
+error on a rank stays retryable by the training flow)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+from storage.store import StoreError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The last line of a rank's traceback names the exception: these are storage I/O (an S3 outage),
+# retried by the training flow as if raised in its own process; these others never are.
+STORAGE_ERRORS = ("storage.store.StoreError", "ConnectionError", "ConnectionResetError",
+                  "ConnectionRefusedError", "ConnectionAbortedError", "TimeoutError",
+                  "botocore.exceptions.EndpointConnectionError", "botocore.exceptions.ConnectTimeoutError",
+                  "botocore.exceptions.ReadTimeoutError", "aiohttp.client_exceptions.ClientConnectorError")
+NEVER_RETRIED = ("ValueError", "KeyError", "TypeError", "MemoryError", "torch.OutOfMemoryError")
+
+
+class RankStorageError(StoreError):
+    """A job failed on its ranks with a storage error: retryable like a StoreError raised here."""
+
+
+def job_error(message: str, error_texts: list[str]) -> RuntimeError:
+    """The exception for a failed job: RankStorageError when a rank failed on storage I/O and no
+    rank on bad input or memory (the others then only lost their peer), else RuntimeError."""
+    names = []
+    for text in error_texts:
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        if lines:
+            names.append(lines[-1].split(":", 1)[0].strip())
+    storage = any(n in STORAGE_ERRORS for n in names) and not any(n in NEVER_RETRIED for n in names)
+    return (RankStorageError if storage else RuntimeError)(message)
+
+
+def free_port() -> int:
+    """A port free on every local address: torch's TCPStore listens on the wildcard address, so a
+    port free on 127.0.0.1 alone can still be taken on another interface (EADDRINUSE at init)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def context_payload(ctx) -> dict:
+    """What a rank process needs to rebuild `ctx`: a StageContext, or any JSON-able object."""
+    if hasattr(ctx, "to_json"):
+        return {"kind": "stage_context", "data": json.loads(ctx.to_json())}
+    return {"kind": "json", "data": ctx}
+
+
+def context_from_payload(payload: dict):
+    if payload["kind"] == "stage_context":
+        from stages.context import StageContext
+
+        return StageContext.from_json(json.dumps(payload["data"]))
+    return payload["data"]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Stop the launcher and its rank processes (their own session, started by us)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,354 @@
+"""One rank of the update job: PPO actor (and critic) training with DeepSpeed ZeRO.
+
+Exact loss scaling (token-mean and every other loss_agg_mode):
+  For each mini-batch the ranks all-reduce (SUM) its valid response tokens (`global_tokens`) and
+  its rows with >= 1 valid token (`global_rows`). Every micro-batch loss is
+  stages.algos.policy_losses.agg_loss(..., global_tokens, global_rows, dp_size=dp) — e.g. for token-mean
+  sum(L * m) / global_tokens * dp — so the sum over a rank's micro-batches, averaged over ranks, is
+  exactly the loss of one call over all the mini-batch's rows on all ranks.
+  DeepSpeed's own scaling is cancelled as follows:
+    * gradient accumulation: the engine is configured with gradient_accumulation_steps=1, each
+      backward is `engine.backward(loss, scale_wrt_gas=False)` (no 1/GAS factor), and the
+      accumulation boundary is set by hand: set_gradient_accumulation_boundary(False) for all but
+      the mini-batch's last micro-batch, True for the last, then one engine.step(). So gradients of
+      any number of micro-batches (static or token-budget, different per mini-batch) are summed.
+    * data parallelism: ZeRO reduces gradients with a SUM followed by a division by dp (its
+      gradient averaging); the dp_size factor inside agg_loss cancels that division.
+  seq-mean-token-sum-norm uses data.max_response_length as its constant (verl's padded response
+  width), never the micro-batch's padded width, so it too is split-invariant.
+Non-finite gradient norm: ZeRO's step detects it (overflow check, bf16 check_grad_overflow on),
+discards the gradients and skips the update; it is counted in actor/skipped_steps with a warning.
+All ranks run the same number of backward passes (token-budget counts are all-reduced MAX), as
+ZeRO-2/3 reduce gradients inside backward. Micro-batches are stages.batches.binning.micro_batches, the
+function the logprob stage uses: token-budget ones hold at most ppo_max_token_len_per_gpu padded
+tokens in wide bins (several whole sequences per tensor row, first fit, longest first,
+block-diagonal attention: few full micro-batches, as a backward's fixed cost per micro-batch
+outweighs the masked attention), not verl's KK grouping of padded rows, which mixes long and
+short rows and pads heavily (bench/update.py); static ones are ppo_micro_batch_size_per_gpu rows,
+packed into bins too with model.use_remove_padding. The loss is exact for any grouping.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stages.batches import batching, binning
+from stages.progress import progress
+from stages.ranks.files import ship_work_dir
+from stages.training import engine as update_engine
+from stages.training.roles import ACTOR, ActorRole, planned_roles
+from stages.training.state import TRAIN_CONFIG_KEYS, previous_state
+
+
+def _all_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+class UpdateJob:
+    """Engines of one rank; `train_step(ctx)` trains on a step's rows and may be called again
+    with the next step's context (what two consecutive update jobs do through train_state/)."""
+
+    def __init__(self, ctx, rank: int, world: int, device: str = "cpu"):
+        from stages.model.models import load_tokenizer
+
+        self.rank, self.world, self.device = rank, world, device
+        self.forward_values = None  # {row: (old log-probs, entropy)} while train_step keeps them
+        model_dtype = "bf16" if ctx.get(f"{ACTOR}.deepspeed.dtype") == "bf16" else "fp32"
+        self.init_path = ctx.reference_weights()
+        self.pad_id = load_tokenizer(self.init_path).pad_token_id
+        self.roles = planned_roles(ctx)  # verl's order: critic first
+        self.actor = next(r for r in self.roles if isinstance(r, ActorRole))
+        torch.manual_seed(ctx.seed("update"))
+        for role in sorted(self.roles, key=lambda r: r is not self.actor):  # built actor first
+            role.build(ctx, self.init_path, model_dtype, device)
+
+    def load_state(self, dirs: dict) -> None:
+        for role in self.roles:
+            if dirs.get(role.name):
+                update_engine.load_state(role.engine, Path(dirs[role.name]), self.rank)
+
+    def save_state(self, work_dir: Path) -> dict:
+        out = {}
+        for role in self.roles:
+            folder = Path(work_dir) / f"{role.name}_state"
+            update_engine.save_state(role.engine, folder, self.rank)
+            out[role.name] = str(folder)
+        return out
+
+    def export(self, work_dir: Path) -> dict:
+        out = {}
+        for role in self.roles:
+            folder = Path(work_dir) / f"{role.name}_hf"
+            update_engine.export_hf(role.engine, folder, self.rank,
+                                    tokenizer_from=self.init_path if role.exports_tokenizer else None)
+            out[role.name] = str(folder)
+        return out
+
+    # ---- data ---------------------------------------------------------------------------------
+    def rank_rows(self, ctx) -> list[dict]:
+        """This rank's rows (balance_batch partition when trainer.balance_batch)."""
+        from storage.artifacts import read_table
+
+        tables = {name: read_table(ctx.store, ctx.layout, ctx.step, name).to_pydict()
+                  for name in ("rollout", "logprob", "advantage")}
+        n = len(tables["rollout"]["prompt_ids"])
+        for name, t in tables.items():
+            rows = len(next(iter(t.values()))) if t else 0
+            if rows != n:
+                raise ValueError(f"step {ctx.step}: {name}.parquet has {rows} rows, rollout.parquet {n}")
+        dp = self.actor.plan["dp_size"]
+        seqlens = [len(p) + len(r) for p, r in zip(tables["rollout"]["prompt_ids"], tables["rollout"]["response_ids"])]
+        if ctx.get("trainer.balance_batch"):
+            parts = batching.balance_partitions(seqlens, dp)
+        else:
+            per = n // dp
+            parts = [list(range(r * per, (r + 1) * per)) for r in range(dp)]
+        cols = {"prompt_ids": "rollout", "response_ids": "rollout", "advantages": "advantage",
+                "returns": "advantage"}
+        for role in self.roles:
+            cols.update(role.columns())
+        for c, t in cols.items():
+            if c not in tables[t]:
+                raise ValueError(f"step {ctx.step}: {t}.parquet has no {c!r} column, needed by the update")
+        rows = []
+        for i in parts[self.rank]:
+            row = {c: tables[t][c][i] for c, t in cols.items()}
+            row["index"] = i
+            rows.append(row)
+        return rows
+
+    # ---- training -----------------------------------------------------------------------------
+    def train_step(self, ctx) -> dict:
+        t0 = time.perf_counter()
+        rows = self.rank_rows(ctx)
+        # plan rollout.old_log_prob_pass false: no logprob-stage actor pass ran; the actor's one
+        # forward per row (one mini-batch, one epoch) gives the old log-probs and entropy
+        self.forward_values = None if ctx.plan["rollout"].get("old_log_prob_pass", True) else {}
+        total = ctx.extra.get("total_training_steps") or ctx.get("trainer.total_training_steps")
+        metrics, records = {}, []
+        for role in self.roles:
+            lr = update_engine.step_lr(role.cfg["optim"], ctx.step, total, f"{role.prefix}.optim")
+            update_engine.set_lr(role.engine, lr)
+            if not role.trains_at(ctx):
+                continue
+            m, rec = self._train_role(ctx, role, rows)
+            m[f"{role.name}/lr"] = lr
+            metrics.update(m)
+            records += rec
+        metrics["timing/update_compute_s"] = time.perf_counter() - t0
+        out = {"metrics": metrics, "records": records}
+        if self.forward_values is not None:
+            index = sorted(self.forward_values)
+            out["log_probs"] = {"rows": index, "old_log_probs": [self.forward_values[i][0] for i in index],
+                                "entropy": [self.forward_values[i][1] for i in index]}
+            self.forward_values = None
+        return out
+
+    def _train_role(self, ctx, role, rows: list[dict]):
+        plan, engine = role.plan, role.engine
+        dp = plan["dp_size"]
+        mini = plan["ppo_mini_batch_size_per_gpu"]
+        gen = torch.Generator().manual_seed(ctx.seed("update") + role.seed_offset)
+        sums: dict[str, float] = {}
+        grad_norms, skipped, steps, records = [], 0, 0, []
+        bar = progress(f"update {role.name}", total=plan["ppo_epochs"] * -(-len(rows) // mini),
+                       unit="mini-batch", rank=self.rank)
+        for epoch in range(plan["ppo_epochs"]):
+            order = list(range(len(rows)))
+            if role.cfg.get("shuffle"):
+                order = torch.randperm(len(rows), generator=gen).tolist()
+            for mb_index, start in enumerate(range(0, len(order), mini)):
+                mini_rows = [rows[i] for i in order[start:start + mini]]
+                stats = self._mini_batch(ctx, role, mini_rows, dp, epoch, mb_index, records)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                before = engine.skipped_steps
+                engine.step()
+                norm = engine.get_global_grad_norm()
+                norm = float(norm) if norm is not None else float("nan")
+                steps += 1
+                if engine.skipped_steps > before or not torch.isfinite(torch.tensor(norm)):
+                    skipped += 1
+                    print(f"WARN: rank {self.rank} {role.name} grad_norm is not finite: {norm}; "
+                          f"optimizer step skipped", file=sys.stderr, flush=True)
+                else:
+                    grad_norms.append(norm)
+                bar.update(1)
+        bar.close()
+        return self._role_metrics(role, sums, grad_norms, skipped, steps), records
+
+    def _mini_batch(self, ctx, role, mini_rows, dp, epoch, mb_index, records) -> dict:
+        plan, engine = role.plan, role.engine
+        resp = [len(r["response_ids"]) for r in mini_rows]
+        global_tokens, global_rows = _all_sum([sum(resp), sum(1 for n in resp if n > 0)], "cpu")
+        if global_tokens <= 0:
+            raise ValueError(f"step {ctx.step}: a {role.name} mini-batch has no response tokens on any rank")
+        dynamic = plan["use_dynamic_bsz"]
+        micro = binning.micro_batches(  # a token budget packs wide bins: few, full micro-batches
+            [len(r["prompt_ids"]) + n for r, n in zip(mini_rows, resp)],
+            rows_per_micro=plan["ppo_micro_batch_size_per_gpu"], budget=plan["max_token_len_per_micro_batch"],
+            dynamic=dynamic, packed=bool(ctx.get(f"{role.model_key}.use_remove_padding")),
+            wide_bins=True, budget_key=f"{role.prefix}.ppo_max_token_len_per_gpu")
+        agg = {"global_tokens": global_tokens, "global_rows": global_rows, "dp_size": dp,
+               "loss_scale_factor": ctx.get("data.max_response_length")}
+        stats: dict[str, float] = {}
+        for j, idx in enumerate(micro):
+            part = [mini_rows[i] for i in binning.rows_of(idx)]
+            batch = binning.collate_bins([[mini_rows[i] for i in b] for b in idx], self.pad_id, self.device)
+            engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
+            loss, micro_stats = role.loss(ctx, self, part, batch, agg)
+            engine.backward(loss, scale_wrt_gas=False)
+            tokens = float(batch["response_mask"].sum())
+            for k, v in micro_stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+            stats["tokens"] = stats.get("tokens", 0.0) + tokens
+            records.append({"role": role.name, "rank": self.rank, "epoch": epoch, "mini_batch": mb_index,
+                            "micro_batch": j, "rows": [r["index"] for r in part],
+                            "real_tokens": int(batch["real_tokens"]), "padded_tokens": int(batch["padded_tokens"])})
+        return stats
+
+    def per_token(self, part, key, width):
+        """Column `key` of the micro-batch's rows as a [rows, width] tensor on this rank's device."""
+        return batching.pad_per_token([r[key] for r in part], width, device=self.device)
+
+    def keep_forward(self, part, old, entropy) -> None:
+        """The actor's forward replaces the old-log-prob pass: keep its values per row."""
+        if self.forward_values is None:
+            return
+        for j, row in enumerate(part):
+            n = len(row["response_ids"])
+            self.forward_values[row["index"]] = (old[j, :n].tolist(), entropy[j, :n].detach().tolist())
+
+    def _role_metrics(self, role, sums, grad_norms, skipped, steps) -> dict:
+        keys = sorted(sums)
+        totals = dict(zip(keys, _all_sum([sums[k] for k in keys], "cpu")))
+        tokens = totals.pop("tokens", 0.0) or 1.0
+        loss_keys = {"pg_loss", "kl_loss", "vf_loss"}  # exact global losses, summed per mini-batch
+        out = {}
+        for k, v in totals.items():
+            out[f"{role.name}/{k}"] = v / steps if k in loss_keys else v / tokens
+        out[f"{role.name}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out[f"{role.name}/skipped_steps"] = skipped
+        out[f"{role.name}/optimizer_steps"] = steps
+        return out
+
+
+# Engines kept between steps in the session of the process that trained them (a rank pool's rank,
+# or the training process for one rank): {key: (job, step, rng)} in session.memo(KEPT). Step k
+# reuses the job that trained step k-1 of the same run and config instead of building engines
+# and loading train_state/step_{k-1} (which holds the same weights, optimizer and RNG, so the
+# result is bit-identical); anything else (another run, a rerun, step 1) builds afresh.
+KEPT = "stages.training.worker: kept engines"
+
+
+def _job_key(ctx, world: int) -> str:
+    from storage.artifacts import fingerprint
+
+    return fingerprint({"run": ctx.store.url(ctx.layout.train_state), "world": world, "plan": ctx.plan,
+                        "config": {k: ctx.get(k) for k in TRAIN_CONFIG_KEYS + ("warmstart.enable", "trainer.seed")}})
+
+
+def _prepare(ctx, rank: int, world: int, device: str, kept: dict | None, key, t0: float) -> dict:
+    """Build the engines step ctx.step will train with (and load the previous step's state), then
+    keep them as if that step's predecessor had just trained: the step reuses them. A training
+    run submits this in the background before its first update (stages.ranks.pool
+    submit_background), so DeepSpeed's set-up overlaps the first rollout. The kept RNG state is
+    the one the step would have after building and loading, so the result is unchanged."""
+    from stages.ranks.launch import rank_device
+
+    if kept is None:  # engines are not kept here: nothing to prepare
+        return {"rank": rank, "prepared": False}
+    job = UpdateJob(ctx, rank, world, rank_device(device))
+    if ctx.step > 1:
+
+        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles})
+    kept.clear()
+    kept[key] = (job, ctx.step - 1, update_engine.rng_state())
+    return {"rank": rank, "prepared": True, "prepare_s": round(time.perf_counter() - t0, 3)}
+
+
+def release_kept_jobs(kept: dict) -> None:
+    """Drop the engines kept between steps (the end of a training run, or of a rank pool)."""
+    import gc
+
+    if kept:
+        kept.clear()
+        gc.unfreeze()
+        gc.collect()
+
+
+def _take_kept_job(ctx, kept: dict, key: str):
+    """The kept job that trained step k-1 of this run (its RNG restored), else None; other kept
+    jobs are freed."""
+    import gc
+
+    entry = kept.pop(key, None)
+    dropped = bool(kept) or (entry is not None and entry[1] != ctx.step - 1)
+    kept.clear()
+    if dropped:  # the rank server froze kept jobs (gc.freeze): let their cycles be collected
+        gc.unfreeze()
+        gc.collect()
+    if entry is None or entry[1] != ctx.step - 1:
+        return None
+    job, _, rng = entry
+    update_engine.restore_rng(rng)
+    return job
+
+
+def kept_jobs(ctx) -> dict | None:
+    """The session's kept-engine table (None: nothing is kept, e.g. a per-call launch's rank, or
+    extra keep_update_engine false to free device memory for other stages)."""
+    session = getattr(ctx, "session", None)
+    if session is None or not ctx.extra.get("keep_update_engine", True):
+        return None
+    kept = session.memo(KEPT, dict)
+    session.on_close(KEPT, lambda: release_kept_jobs(kept))
+    return kept
+
+
+def rank_main(ctx, rank: int, world: int) -> dict:
+    """Entry of one rank (stages.ranks.launch.run_ranks): load state, train the step, save, export.
+    The engines are kept for the next step in the session of the process that runs the rank (a
+    rank pool's rank, or the training process for one rank), see kept_jobs."""
+    from stages.ranks.launch import init_distributed, rank_device
+
+    t0 = time.perf_counter()
+    device = ctx.extra.get("device") or ctx.get("trainer.device") or "cpu"
+    init_distributed(device)
+    kept = kept_jobs(ctx)
+    key = _job_key(ctx, world) if kept is not None else None
+    if ctx.extra.get("prepare_only"):
+        return _prepare(ctx, rank, world, device, kept, key, t0)
+    job = _take_kept_job(ctx, kept, key) if kept is not None else None
+    reused = job is not None
+    if job is None:
+        job = UpdateJob(ctx, rank, world, rank_device(device))
+    t1 = time.perf_counter()
+    if not reused and ctx.step > 1:  # no engine kept from step k-1: its checkpoint, from the store
+
+        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles})
+    t2 = time.perf_counter()
+    out = job.train_step(ctx)
+    t3 = time.perf_counter()
+    work = Path(ctx.extra["update_work_dir"])
+    job.save_state(work)
+    rng = update_engine.rng_state()  # what save_state wrote into rng_rank<r>.pt
+    job.export(work)
+    shipped = ship_work_dir(ctx, work, "update", rank)  # ranks on other machines: through the store
+    t4 = time.perf_counter()
+    if kept is not None:
+        kept[key] = (job, ctx.step, rng)
+    out["timings"] = {"init_s": t1 - t0, "load_state_s": t2 - t1, "train_s": t3 - t2, "save_export_s": t4 - t3}
+    out["rank"] = rank
+    out["host"] = socket.gethostname()
+    out["shipped"] = shipped
+    out["engine_reused"] = reused
+    return out
