@@ -43,7 +43,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stagerl-bench-step-"))
-    from flows.cmd_train import prefect_env
+    from flows.cli.train import prefect_env
 
     prefect_env(str(work / "runs"))
     from stages.data.tools import write_arith_dataset

@@ -316,6 +316,19 @@ def compute_plan(cfg: dict) -> dict:
     }
 
 
+def resume_replay(cfg) -> dict:
+    """What a resume replays at this trainer.save_freq (not part of the plan: it alters no result).
+    The train state is stored every save_freq steps and at the last step; a resume restores the
+    newest stored state and replays the updates after it from their stored rows, at most
+    save_freq - 1 of them (save_freq <= 0: every update before the last step)."""
+    save_freq = int(get_path(cfg, "trainer.save_freq") or -1)
+    total = int(get_path(cfg, "trainer.total_training_steps") or 0)
+    every = save_freq if save_freq > 0 else None
+    at_most = (save_freq - 1) if every else max(total - 1, 0)
+    return {"save_freq": save_freq, "train_state_every": every, "total_training_steps": total,
+            "replays_at_most": min(at_most, max(total - 1, 0))}
+
+
 def read_hostfile(path: str) -> dict:
     """A DeepSpeed hostfile read as DeepSpeed's runner reads it: `host slots=N` per line, `#`
     comments and blank lines skipped -> {host: slots} in file order. Bad files raise PlanError
@@ -394,6 +407,10 @@ def _reward_model(cfg, world: int, rows: int) -> dict:
         micro = get_path(cfg, "reward_model.micro_batch_size_per_gpu")
     per_rank = rows // world
     budget = get_path(cfg, "reward_model.forward_max_token_len_per_gpu") if dynamic else None
+    if dynamic and (budget is None or budget < 1):
+        raise PlanError(f"[reward_model] use_dynamic_bsz needs reward_model.forward_max_token_len_per_gpu "
+                        f"(padded tokens per reward-model forward), got {budget!r}",
+                        ("reward_model.forward_max_token_len_per_gpu",))
     return {"micro_batch_size_per_gpu": micro, "use_dynamic_bsz": bool(dynamic),
             "forward_max_token_len_per_gpu": budget,
             "forward_passes_per_rank": None if dynamic or not micro else ceil(per_rank / micro)}

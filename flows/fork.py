@@ -166,8 +166,10 @@ def check_fork(store: Store, cfg: dict, plan: dict, fork: dict) -> dict:
 def _folders(store, src: RunLayout, new: RunLayout, step: int, stage: str, plan: dict,
              warm: bool) -> list:
     """(SRC folder, NEW folder) pairs of steps < step that SRC still has; refuses when one that
-    NEW needs (the previous train state; the previous weights for a fork at rollout/logprob;
-    the warm start) is gone."""
+    NEW needs (the previous weights for a fork at rollout/logprob; the warm start) is gone. No
+    train state is needed: the update of STEP restores the newest one SRC kept (none: the initial
+    weights) and replays the updates after it from the stored rows NEW references
+    (stages/training/worker.py::restore_job), as a resume does."""
     from storage.layout import WEIGHTS_MANIFEST
 
     pairs, k0 = [], step - 1
@@ -175,8 +177,7 @@ def _folders(store, src: RunLayout, new: RunLayout, step: int, stage: str, plan:
         pairs += [(src.weights(k), new.weights(k)), (src.critic_weights(k), new.critic_weights(k))]
         base = f"{src.train_state}/step_{k:06d}"
         pairs += [(f"{base}/{r}", f"{new.train_state}/step_{k:06d}/{r}") for r in store.list(base)]
-    roles = ["actor"] + (["critic"] if plan.get("critic") else [])
-    needed = [(f"{src.train_state}/step_{k0:06d}/{r}", f"the update of step {step}") for r in roles] if k0 else []
+    needed = []
     if k0 and STAGES.index(stage) <= STAGES.index("logprob"):
         needed.append((src.weights(k0), f"the {stage} of step {step}"))
         if plan.get("critic"):
@@ -186,8 +187,8 @@ def _folders(store, src: RunLayout, new: RunLayout, step: int, stage: str, plan:
     for key, what in needed:
         if not store.exists(f"{key}/{WEIGHTS_MANIFEST}"):
             raise ForkRefused(f"{store.url(key)} is no longer kept, and {what} needs it: a run keeps "
-                              f"its newest two train states and its latest weights, older ones only at "
-                              f"multiples of trainer.save_freq (at most trainer.max_actor_ckpt_to_keep). "
+                              f"its latest weights, older ones only at multiples of trainer.save_freq "
+                              f"(at most trainer.max_actor_ckpt_to_keep). "
                               f"Fork at a later step of {src.experiment}, or train the source with "
                               f"trainer.save_freq=1 to fork it at any step")
     return [(a, b) for a, b in pairs if store.exists(f"{a}/{WEIGHTS_MANIFEST}")]

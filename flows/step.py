@@ -37,13 +37,14 @@ from storage.store import StoreError
 STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: stages)
 REMOTE_STAGES = ("rollout", "update")
 ON_UPDATE_DEPLOYMENT = ("logprob",)  # N-rank stages run by the update deployment, on its pool
+STAGE_MODULES = {"warmstart": "model.warmstart"}  # stages whose module is not at the package's top
 
 
 # ---- stages and their fingerprints ------------------------------------------------------------
 def stage_module(stage: str):
     """The module implementing `stage` (STAGE, INPUTS, CONFIG_KEYS, run)."""
     package = os.environ.get(STAGES_ENV) or "stages"
-    return importlib.import_module(f"{package}.{stage}")
+    return importlib.import_module(f"{package}.{STAGE_MODULES.get(stage, stage)}")
 
 
 def stage_fingerprint(module, ctx) -> str:

@@ -26,7 +26,7 @@ from flows.metric_sinks import MetricSinks, check_sinks
 from flows.step_report import step_metrics
 from stages.ranks.launch import forget_inherited_rank_env
 from stages.scratch import process_alive, remove_orphans
-from storage.secrets import scrub_override, secret_overrides_from_env
+from storage.secrets import scrub_override, take_secret_overrides
 from stages.session import RunSession
 from storage.artifacts import fingerprint, read_run_json, write_run_json
 from storage.layout import RunLayout
@@ -206,19 +206,83 @@ def validate(run: RunHandle, step: int, extra: dict) -> dict | None:
 # ---- the flow -------------------------------------------------------------------------------
 @flow(name="rl-train", log_prints=True)
 def train(config: str = "base", overrides: list[str] = [], experiment_name: str | None = None,
-          force_lock: bool = False, fork: dict | None = None) -> dict:
+          force_lock: bool = False, fork: dict | None = None, secret_overrides: str | None = None) -> dict:
     """Train (or resume) one experiment: steps over epochs, each a `rl-step` subflow
     (flows.step.run_step_subflow), or with orchestration.step_subflow=false its stage tasks
     directly in this flow run. With `fork` ({"source": SRC, "at": "STEP:STAGE"}) the experiment
-    is first made a fork of SRC (flows.fork): its config is SRC's followed by `overrides`."""
+    is first made a fork of SRC (flows.fork): its config is SRC's followed by `overrides`.
+    `secret_overrides` is the token for the credential overrides `stagerl train` holds in its
+    process (storage.secrets.held_secret_overrides), never their values: Prefect stores parameters."""
     forget_inherited_rank_env()
-    overrides = list(overrides or []) + secret_overrides_from_env()  # `stagerl train` credentials
+    config, overrides, fork = run_arguments(config, overrides, fork, secret_overrides)
+    cfg, plan = resolve(config, overrides, experiment_name)
+    store, layout = check_before_start(cfg, plan)
+    lock = acquire_lock(store, layout, force_lock)
+    session, sinks, run, total = new_session(cfg), None, None, 0  # resident workers, background commits
+    try:
+        session.spawner = start_fork_server(cfg, plan)  # first: its imports overlap the set-up below
+        if fork:  # NEW references SRC's finished work up to the fork point
+            from flows.fork import create_fork
+
+            create_fork(store, cfg, plan, fork, force_lock)
+        check_run_json(store, layout, cfg, plan,
+                       {"config": config, "overrides": [scrub_override(o, store.secret_values) for o in overrides],
+                        "experiment_name": experiment_name})
+        sinks = MetricSinks(cfg, store.secret_values)
+        run = RunHandle.of(cfg, plan, store, session)  # passed to the steps and their tasks
+        dataset, total = load_schedule(cfg, store)
+        print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
+              f"{plan['rows_per_step']} rows per step", flush=True)
+        before_first_step(run, cfg, plan, dataset, total, sinks)
+        done, ran, last = run_steps(run, cfg, store, layout, dataset, total, sinks, lock)
+        return finish_run(run, cfg, store, layout, total, done, ran, last)
+    except BaseException:
+        if run is not None:
+            keep_last_state(run, total)
+        raise
+    finally:
+        close_run(session, sinks, lock)
+
+
+def keep_last_state(run: RunHandle, total: int) -> None:
+    """A run that fails or is stopped before its last step stores the train state its ranks kept
+    after its last committed update (stages/update.py::store_kept_state), so that its resume
+    replays no update. Best effort: what cannot be stored is replayed by the resume."""
+    from stages.update import store_kept_state
+    from storage.artifacts import read_manifest
+
+    try:
+        run.session.wait_commits()
+    except Exception:  # noqa: BLE001 - an uncommitted update is run again by the resume
+        pass
+    try:
+        last = run.context(total, {"total_training_steps": total})
+        step = next((k for k in range(total, 0, -1) if read_manifest(last.store, last.layout, k, "update")), 0)
+        if step and store_kept_state(run.context(step, {"total_training_steps": total})):
+            print(f"stored the train state of step {step} (kept by the ranks) before stopping", flush=True)
+    except Exception as exc:  # noqa: BLE001 - the run's own error is reported, not this one
+        logger().warning(f"could not store the last train state ({type(exc).__name__}: {exc}); "
+                         f"a resume replays the updates since the newest stored one")
+
+
+def run_arguments(config: str, overrides: list, fork: dict | None, secret_overrides: str | None):
+    """(config, overrides, fork) the run resolves: the overrides with the held credentials added
+    and, for a fork, SRC's config followed by them (flows.fork.fork_arguments)."""
+    held = take_secret_overrides(secret_overrides)
+    if held is None:  # e.g. a flow run retried from Prefect: this process holds none
+        logger().warning("the credential overrides of this run are held by the process that started it, "
+                         "not this one: credentials come from this process's environment")
+    overrides = list(overrides or []) + (held or [])  # `stagerl train` credentials
     if fork:
         from flows.fork import fork_arguments
 
         fork = {**fork, "overrides": [scrub_override(o) for o in fork.get("overrides") or overrides]}
         config, overrides = fork_arguments(config, overrides, fork)
-    cfg, plan = resolve(config, overrides, experiment_name)
+    return config, list(overrides or []), fork
+
+
+def check_before_start(cfg: dict, plan: dict) -> tuple[Store, RunLayout]:
+    """Refuse what cannot run before anything starts; (store, layout) of the run."""
     check_trainable(cfg)
     check_local_paths(cfg)  # a deployment run's worker: its own working directory
     check_fits(cfg, estimate_memory(cfg, plan))  # each stage's estimated peak fits the device
@@ -230,85 +294,99 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         logger().warning(warning)
     check_stage_deployments(cfg)  # multi-pool mode: refuse missing/misplaced deployments first
     check_sinks(cfg)  # trainer.logger: known and installed, before anything starts
-    lock = acquire_lock(store, layout, force_lock)
-    pool, sinks = None, None
+    return store, layout
+
+
+def new_session(cfg: dict) -> RunSession:
     orch = cfg["orchestration"]
-    # the run's resident workers (rollout engines, reward scorers) and background commits
-    session = RunSession(retries=int(orch.get("storage_retries", 5)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
-                         retryable=is_retryable)
-    try:
-        session.spawner = start_fork_server(cfg, plan)  # first: its imports overlap the set-up below
-        if fork:  # NEW references SRC's finished work up to the fork point
-            from flows.fork import create_fork
+    return RunSession(retries=int(orch.get("storage_retries", 5)), retry_delay_s=float(orch.get("retry_delay_s", 2.0)),
+                      retryable=is_retryable)
 
-            create_fork(store, cfg, plan, fork, force_lock)
-        check_run_json(store, layout, cfg, plan,
-                       {"config": config, "overrides": [scrub_override(o, store.secret_values)
-                                                        for o in overrides or []],
-                        "experiment_name": experiment_name})
-        sinks = MetricSinks(cfg, store.secret_values)
-        run = RunHandle.of(cfg, plan, store, session)  # passed to the steps and their tasks
-        dataset = load_dataset(cfg, store)
-        check_ground_truth(cfg, dataset)
-        if trainer_validates(cfg):
-            check_ground_truth(cfg, load_dataset(cfg, store, "val"))
-        total = total_steps(cfg, dataset.steps_per_epoch)
-        trainer, orch = cfg["trainer"], cfg["orchestration"]
-        print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
-              f"{plan['rows_per_step']} rows per step", flush=True)
-        done, ran, last = [], [], {}
-        pool = session.rank_pool = start_rank_pool(cfg, plan, session.spawner)  # in the background too
-        if (cfg.get("warmstart") or {}).get("enable"):  # stages.model.warmstart: step 0, once, resumable
-            from flows.step import task_result, retry_options, stage_task
 
-            task_result(stage_task.with_options(**retry_options(cfg))(
-                "warmstart", run, 0, step_extra(dataset, 1, total), return_state=True))
-        if trainer["val_before_train"] and not _first_done(run, total, dataset):
-            _log_validation(sinks, 0, validate(run, 0, step_extra(dataset, 1, total)))
-        if pool is not None:  # the first update's DeepSpeed set-up, beside the first rollout
-            prepare_update(pool, run, dataset, total)
-        if orch["mode"] == "local":  # rollout runs in this process's session: start its engines now
-            from flows.step import stage_module  # (workers in the background; hf in this process here)
+def load_schedule(cfg: dict, store: Store):
+    """(training dataset, total steps); the ground truth of the training (and validation) rows checked."""
+    dataset = load_dataset(cfg, store)
+    check_ground_truth(cfg, dataset)
+    if trainer_validates(cfg):
+        check_ground_truth(cfg, load_dataset(cfg, store, "val"))
+    return dataset, total_steps(cfg, dataset.steps_per_epoch)
 
-            warm = getattr(stage_module("rollout"), "warm_up", None)
-            if warm is not None:
-                warm(run.context(1, step_extra(dataset, 1, total)))
-        with subflow_heartbeats_off():  # the steps' subflows (flows.step)
-            for step in range(1, total + 1):
-                t0 = time.perf_counter()  # timing_s/step: the whole iteration except validation
-                lock.refresh()
-                extra = step_extra(dataset, step, total)
-                ctx = run.context(step, extra)
-                if step_is_complete(ctx):
-                    done.append(step)
-                    last = step_metrics(ctx)
-                    sinks.log(step, last)
-                    continue
-                summaries = (run_step_subflow(run, step, extra) if orch["step_subflow"]
-                             else rl_step.fn(run, step, extra, background_publish=True))
-                last = step_metrics(ctx, summaries)
-                if not ran:
-                    freeze_heap()
-                ran.append(step)
-                prune_weights(store, layout, step, cfg)
-                last["timing_s/step"] = round(time.perf_counter() - t0, 3)
+
+def before_first_step(run: RunHandle, cfg: dict, plan: dict, dataset, total: int, sinks: MetricSinks) -> None:
+    """The rank pool (starting in the background), the warm start (step 0), validation before
+    training, the first update's DeepSpeed set-up and the rollout engines."""
+    session = run.session
+    session.rank_pool = start_rank_pool(cfg, plan, session.spawner)  # in the background too
+    if (cfg.get("warmstart") or {}).get("enable"):  # stages.model.warmstart: step 0, once, resumable
+        from flows.step import task_result, retry_options, stage_task
+
+        task_result(stage_task.with_options(**retry_options(cfg))(
+            "warmstart", run, 0, step_extra(dataset, 1, total), return_state=True))
+    if cfg["trainer"]["val_before_train"] and not _first_done(run, total, dataset):
+        _log_validation(sinks, 0, validate(run, 0, step_extra(dataset, 1, total)))
+    if session.rank_pool is not None:  # the first update's DeepSpeed set-up, beside the first rollout
+        prepare_update(session.rank_pool, run, dataset, total)
+    if cfg["orchestration"]["mode"] == "local":  # rollout runs in this process's session: start its engines now
+        from flows.step import stage_module  # (workers in the background; hf in this process here)
+
+        warm = getattr(stage_module("rollout"), "warm_up", None)
+        if warm is not None:
+            warm(run.context(1, step_extra(dataset, 1, total)))
+
+
+def run_steps(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, dataset, total: int,
+              sinks: MetricSinks, lock: ExperimentLock) -> tuple[list, list, dict]:
+    """Steps 1..total: a complete one is skipped (its metrics logged again), the others run.
+    (steps skipped, steps run, the last step's metrics)."""
+    trainer, orch = cfg["trainer"], cfg["orchestration"]
+    done, ran, last = [], [], {}
+    with subflow_heartbeats_off():  # the steps' subflows (flows.step)
+        for step in range(1, total + 1):
+            t0 = time.perf_counter()  # timing_s/step: the whole iteration except validation
+            lock.refresh()
+            extra = step_extra(dataset, step, total)
+            ctx = run.context(step, extra)
+            if step_is_complete(ctx):
+                done.append(step)
+                last = step_metrics(ctx)
                 sinks.log(step, last)
-                if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
-                    _log_validation(sinks, step, validate(run, step, extra))
-        session.wait_commits()  # the last update is in the store before the run reports done
-        if ran:  # the folder kept while the last step was committing in the background
-            prune_weights(store, layout, ran[-1], cfg)
-        return {"run": run.uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
-                "last_metrics": last}
+                continue
+            summaries = (run_step_subflow(run, step, extra) if orch["step_subflow"]
+                         else rl_step.fn(run, step, extra, background_publish=True))
+            last = step_metrics(ctx, summaries)
+            if not ran:
+                freeze_heap()
+            ran.append(step)
+            prune_weights(store, layout, step, cfg)
+            last["timing_s/step"] = round(time.perf_counter() - t0, 3)
+            sinks.log(step, last)
+            if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
+                _log_validation(sinks, step, validate(run, step, extra))
+    return done, ran, last
+
+
+def finish_run(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, total: int, done: list,
+               ran: list, last: dict) -> dict:
+    """Wait for the last update's commit (the run is done once it is in the store), prune the
+    weights folder kept while it committed; the flow's result."""
+    run.session.wait_commits()
+    if ran:
+        prune_weights(store, layout, ran[-1], cfg)
+    return {"run": run.uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,
+            "last_metrics": last}
+
+
+def close_run(session: RunSession, sinks: MetricSinks | None, lock: ExperimentLock) -> None:
+    """Close the rank pool, the session and the sinks, then release the lock (also while the run
+    fails: its error is then reported last)."""
+    if session.rank_pool is not None:
+        session.rank_pool.close()
+    session.close()
+    try:
+        if sinks is not None:
+            sinks.close()
     finally:
-        if pool is not None:
-            pool.close()
-        session.close()
-        try:
-            if sinks is not None:
-                sinks.close()
-        finally:
-            release_lock(lock, failing=sys.exc_info()[0] is not None)
+        release_lock(lock, failing=sys.exc_info()[0] is not None)
 
 
 def release_lock(lock: ExperimentLock, failing: bool) -> str | None:

@@ -73,6 +73,18 @@ class StageContext:
             return self.reference_weights(initial=True)
         return self._load_weights(max(self.step - 1, 0))
 
+    def policy_version(self) -> str | None:
+        """The weights version this step samples from (see weights_version); None for the initial
+        model folder."""
+        if self.step <= 1 and not self.get("warmstart.enable"):
+            return None
+        return self.weights_version(max(self.step - 1, 0))
+
+    def weights_version(self, k: int) -> str:
+        """The identity of the weights after step k's update in this run (0: the warm start): an
+        engine that holds it samples from it, whichever way it got them (stages.training.handoff)."""
+        return self.store.url(self.layout.weights(k))
+
     def reference_weights(self, initial: bool = False) -> Path:
         """The reference policy: the warm-started model when warmstart.enable, else the initial folder."""
         if self.get("warmstart.enable") and not initial:

@@ -149,7 +149,7 @@ class LogprobPass:
     section: str         # plan section of its micro-batching
     size_keys: tuple     # (rows per micro-batch, dynamic?, token budget) keys in that section
     padding_key: str     # use_remove_padding: static micro-batches packed into bins too
-    budget_key: str      # the token budget's config key (errors; flows/plots.py via BUDGET_KEYS)
+    budget_key: str      # the token budget's config key (errors; flows/read/plots.py via BUDGET_KEYS)
     folder_label: str    # how check_inputs names a missing model folder
     weights: Callable    # ctx -> its model folder
     switch: str = ""     # plan[section] flag that turns the pass off (default on)

@@ -276,15 +276,10 @@ def rm_batches(ctx, encoded: list) -> list[list[int]]:
     forward_max_token_len_per_gpu padded tokens per batch, longest rows first."""
     from stages.batches.binning import micro_batches, rows_of
 
-    plan_rm = (ctx.plan or {}).get("reward_model") or {}
-    dynamic = bool(plan_rm.get("use_dynamic_bsz"))
-    micro = plan_rm.get("micro_batch_size_per_gpu")
-    if not dynamic and not micro:
-        raise ValueError("reward_model.enable needs reward_model.micro_batch_size_per_gpu "
-                         "(rows per reward-model forward) or reward_model.use_dynamic_bsz")
+    plan_rm = ctx.plan["reward_model"]  # the plan checked the sizes (configs/plan.py::_reward_model)
+    dynamic, micro = plan_rm["use_dynamic_bsz"], plan_rm["micro_batch_size_per_gpu"]
     key = "reward_model.forward_max_token_len_per_gpu"
-    budget = plan_rm.get("forward_max_token_len_per_gpu") if dynamic else None
-    budget = int(budget) if budget is not None else None
+    budget = int(plan_rm["forward_max_token_len_per_gpu"]) if dynamic else None
     groups = micro_batches([len(ids) for ids in encoded], rows_per_micro=micro, budget=budget,
                            dynamic=dynamic, packed=False, all_reduce=False, budget_key=key)
     return [rows_of(group) for group in groups]

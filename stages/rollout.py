@@ -67,7 +67,9 @@ def stage_fingerprint(ctx) -> str:
     return hash_obj({"base": base, "policy": policy})
 
 
-def _engine_options(ctx, model_dir) -> EngineOptions:
+def _engine_options(ctx, model_dir, version: str | None = None) -> EngineOptions:
+    """`version`: the weights version model_dir holds (ctx.policy_version() for the step's own
+    weights; None for the initial model)."""
     plan_rollout = (ctx.plan or {}).get("rollout") or {}
     max_len = (ctx.plan or {}).get("max_seq_len") or (
         int(ctx.get("data.max_prompt_length")) + int(ctx.get("data.max_response_length")))
@@ -76,7 +78,8 @@ def _engine_options(ctx, model_dir) -> EngineOptions:
                          num_replicas=int(plan_rollout.get("num_replicas") or 1),
                          prompts_per_replica=plan_rollout.get("prompts_per_replica"),
                          max_model_len=int(max_len),
-                         engine_seed=derive_seed(ctx.get("trainer.seed", 0), ctx.get(f"{ROLLOUT}.seed", 0) or 0))
+                         engine_seed=derive_seed(ctx.get("trainer.seed", 0), ctx.get(f"{ROLLOUT}.seed", 0) or 0),
+                         weights_version=version)
 
 
 def rollout_engines(ctx):
@@ -128,7 +131,7 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
             raise ValueError(f"row {row // n} of the batch (data row {prompts[row // n].row}): empty prompt")
     base = _base_seed(ctx, purpose)
     seeds = [derive_seed(base, row) for row in range(len(prompt_ids))]
-    options = _engine_options(ctx, model_dir)
+    options = _engine_options(ctx, model_dir, ctx.policy_version())
     options.step_seed = base
     if purpose != STAGE:
         options.prompts_per_replica = None  # not a training batch: split evenly over the replicas
@@ -177,7 +180,7 @@ def generate_baseline(ctx, columns: dict, sampling: Sampling, model_dir, tokeniz
     prompt_ids = [list(columns["prompt_ids"][r]) for r in rows]
     greedy = dataclasses.replace(sampling, do_sample=False, n=1, log_probs=False)
     base = _base_seed(ctx, "baseline")  # greedy answers do not depend on it; the engines want seeds
-    options = _engine_options(ctx, model_dir)
+    options = _engine_options(ctx, model_dir, ctx.policy_version())
     options.step_seed, options.prompts_per_replica = base, None
     engine = ctx.get(f"{ROLLOUT}.name", "hf")
     engines = rollout_engines(ctx)
@@ -289,6 +292,7 @@ def run(ctx) -> dict:
         "tokens_per_s_wall": round(tokens / (t_gen - t_data), 2),
         "finish_stop": columns["finish_reason"].count("stop"),
         "model_dir": str(model_dir),
+        "weights_version": ctx.policy_version(),
     }
     if baseline is not None:  # rollout/baseline.parquet: greedy answers, not training rows
         extra["baseline"] = baseline

@@ -42,12 +42,15 @@ def process_alive(pid: int) -> bool:
 
 
 def remove_orphans(tmp_dir=None) -> list[Path]:
-    """Remove this host's stagerl scratch folders whose process is gone; returns them."""
-    base, host, removed = Path(tmp_dir or tempfile.gettempdir()), _host(), []
-    try:
-        entries = list(base.iterdir())
-    except OSError:
-        return removed
+    """Remove this host's stagerl scratch folders whose process is gone (in `tmp_dir`, or in the
+    temp dir and /dev/shm, where the update hands weights over); returns them."""
+    bases = [Path(tmp_dir)] if tmp_dir else [Path(tempfile.gettempdir()), Path("/dev/shm")]
+    host, removed, entries = _host(), [], []
+    for base in bases:
+        try:
+            entries += list(base.iterdir())
+        except OSError:
+            continue
     for entry in entries:
         match = _NAME.match(entry.name)
         if (match is None or match["kind"] not in KINDS or match["host"] != host

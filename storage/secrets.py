@@ -3,8 +3,10 @@
 Three nets: fields whose *name* marks a secret (key, secret, token, password, credentials, ...),
 credentials embedded in URLs (`s3://AK:SK@host`, `https://user:pass@host`), and any literal
 secret value the caller knows (the store's own key/secret, AWS_* env values)."""
+import contextlib
 import os
 import re
+import uuid
 
 REDACTED = "***"
 # Literal values shorter than this are not replaced (a short "secret" such as moto's "testing"
@@ -69,24 +71,42 @@ def scrub_override(item: str, secret_values=()) -> str:
     return scrub_text(str(item), list(secret_values) + env_secret_values())
 
 
-SECRET_OVERRIDES_ENV = "STAGERL_SECRET_OVERRIDES"
-
-
 def split_secret_overrides(overrides) -> tuple[list, list]:
     """(public, secret) overrides: a secret one (a credential key, or a URL with credentials) is
-    handed to the training flow through this process's environment (SECRET_OVERRIDES_ENV), never
-    as a flow parameter, which Prefect stores in its database."""
+    handed to the training flow as a token (held_secret_overrides), never as its value in a flow
+    parameter, which Prefect stores in its database."""
     public, secret = [], []
     for item in overrides or []:
         (secret if scrub_override(item) != item else public).append(item)
     return public, secret
 
 
-def secret_overrides_from_env() -> list:
-    import json
+_HELD: dict[str, list] = {}  # token -> secret overrides, in this process only
 
-    text = os.environ.get(SECRET_OVERRIDES_ENV)
-    return list(json.loads(text)) if text else []
+
+@contextlib.contextmanager
+def held_secret_overrides(secret: list):
+    """A random token standing for the `secret` overrides while the block runs, or None when there
+    are none. The token is what the training flow gets as a parameter (Prefect records it, and it
+    names nothing outside this process); the flow takes the values with take_secret_overrides."""
+    if not secret:
+        yield None
+        return
+    token = f"held-in-process:{uuid.uuid4().hex}"
+    _HELD[token] = list(secret)
+    try:
+        yield token
+    finally:
+        _HELD.pop(token, None)
+
+
+def take_secret_overrides(token: str | None) -> list | None:
+    """The overrides `token` stands for ([] without a token); None for a token this process does
+    not hold (a flow run retried elsewhere: credentials then come from that process's environment)."""
+    if not token:
+        return []
+    held = _HELD.get(token)
+    return None if held is None else list(held)
 
 
 def is_scrubbed_override(item: str) -> bool:

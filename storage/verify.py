@@ -7,11 +7,13 @@ edit, a partial copy) would go unnoticed until some reader trips on it. `verify_
 such object back (`stagerl verify`, and `stagerl resume` before it continues a run).
 
 `repair` un-commits what is damaged so that `stagerl resume` computes it again: the stage's
-manifest is deleted; for a damaged folder (weights/step_k, weights/critic_step_k,
-train_state/step_k/<role>) the folder's manifest and step k's update manifest are deleted, since
-the update is the stage that writes them. A stage runs again only if its inputs are still kept
-(the step before's weights and train state; older ones are pruned per trainer.save_freq), which
-is why the newest steps can always be repaired and older ones may need a backup.
+manifest is deleted; for a damaged weights folder (weights/step_k, weights/critic_step_k) the
+folder's manifest and step k's update manifest are deleted, since the update is the stage that
+writes them. A damaged train state (train_state/step_k/<role>) only loses its manifest: no stage
+needs it, an update without its engines restores an older stored state and replays the updates
+after it (stages/training/state.py). A stage runs again only if its inputs are still kept (the
+step before's weights; older ones are pruned per trainer.save_freq), which is why the newest
+steps can always be repaired and older ones may need a backup.
 """
 from __future__ import annotations
 
@@ -128,6 +130,8 @@ def repair(store: Store, layout: RunLayout, report: VerifyReport) -> list[str]:
         if damage.folder is not None:
             store.delete(f"{damage.folder}/{WEIGHTS_MANIFEST}")
             undone.append(damage.folder)
+            if damage.folder.startswith(f"{layout.train_state}/"):
+                continue  # recomputed by replay when an update needs it, not by its own update
         stage = damage.stage or ("warmstart" if damage.step == 0 else "update")
         key = layout.manifest(damage.step, stage)
         if store.exists(key):

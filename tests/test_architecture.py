@@ -136,3 +136,13 @@ def test_yaml_enums_are_the_registries():
                   "algorithm.kl_penalty": KL_KINDS}
     for key, registry in registries.items():
         assert set(specs[key].choices) == set(registry), key
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists every package (a non-editable install would leave a room out)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for package in PACKAGES
+             for p in (REPO / package).rglob("__init__.py")}
+    assert found == listed

@@ -316,7 +316,7 @@ def test_sigkilled_stagerl_train_takes_its_prefect_server_with_it(assets, tmp_pa
     start` child; SIGKILLed mid-run, it leaves no server behind. A normal run (here: resuming the
     killed experiment) stops its server and removes its record, and the killed run's record too."""
     root = (tmp_path / "runs").resolve()
-    home = root / ".cache" / "prefect"  # flows.cmd_train.prefect_env: the store's scratch home
+    home = root / ".cache" / "prefect"  # flows.cli.train.prefect_env: the store's scratch home
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PYTHONUNBUFFERED="1")
     log = tmp_path / "train.log"

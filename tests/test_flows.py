@@ -360,12 +360,39 @@ def test_sigkill_inside_each_stage_then_resume_equals_uninterrupted(server, asse
     assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
 
 
+def test_kills_with_sparse_train_states_resume_by_replay_bit_for_bit(server, assets, tmp_path):
+    """trainer.save_freq=5 over 3 steps: no train state is stored before the last step. A run
+    SIGKILLed in step 3's update (trained and handed over, nothing stored), in its rollout, or in
+    the update's background write of the weights, then resumed: the update of step 3 restores no
+    state and replays steps 1-2 from their stored rows, and the final weights equal an
+    uninterrupted run's, bit for bit; `stagerl verify` checks every stored version."""
+    root = tmp_path / "runs"
+    base = tiny_overrides(assets, root, steps=3) + ["trainer.save_freq=5"]
+    ref = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "ref", *base])
+    assert ref.returncode == 0, ref.stdout[-4000:]
+    store = Store.from_config({"root": str(root)})
+    checksum = lambda e: folder_manifest(store, RunLayout(PROJECT, e).weights(3))["checksum"]
+    assert sorted(store.list(RunLayout(PROJECT, "ref").train_state)) == ["step_000003"]
+    for name, fault in (("upd", "update:after_train@3"), ("roll", "rollout:before_manifest@3"),
+                        ("persist", "update:persist@3")):
+        killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", name, *base], fault=fault)
+        assert killed.returncode == -signal.SIGKILL, (fault, killed.stdout[-3000:])
+        assert f"SIGKILL at {fault.split('@')[0]} (step 3)" in killed.stdout
+        assert read_manifest(store, RunLayout(PROJECT, name), 3, "update") is None
+        resumed = stagerl(server, ["resume", name, "--root", str(root)])
+        assert resumed.returncode == 0, (fault, resumed.stdout[-4000:])
+        assert "replaying step 1's update" in resumed.stdout and "replaying step 2's update" in resumed.stdout
+        assert checksum(name) == checksum("ref"), fault
+        verify = stagerl(server, ["verify", name, "--root", str(root)])
+        assert verify.returncode == 0 and "all match their manifests" in verify.stdout, verify.stdout[-2000:]
+
+
 def test_a_killed_prefect_server_stops_the_run_and_resume_completes(assets, tmp_path, reference_checksum):
     """`stagerl train` with its own local Prefect server (no PREFECT_API_URL): the server is
     SIGKILLed during step 1; the run stops within 30 s with a message naming the server and the
     command to run next, which completes the run with the uninterrupted run's weights."""
     root = (tmp_path / "runs").resolve()
-    home = root / ".cache" / "prefect"  # flows.cmd_train.prefect_env: the store's scratch home
+    home = root / ".cache" / "prefect"  # flows.cli.train.prefect_env: the store's scratch home
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "STAGERL_FAULT"}
     env.update(PYTHONUNBUFFERED="1")
     store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "f")

@@ -212,7 +212,7 @@ def test_plot_writes_pngs_with_labelled_axes(run, capsys):
 
 
 def test_plot_labels_refused_when_missing(run):
-    from flows.plots import _pyplot, save
+    from flows.read.plots import _pyplot, save
     from storage.run_view import RunView
 
     view = RunView.open(Store.from_config({"root": str(run)}), "stagerl", "demo")
@@ -307,7 +307,7 @@ def test_logprob_section_before_the_update_stored_old_log_probs(tmp_path):
     """On-policy with a KL loss the logprob stage stores only reference log-probs; the old ones come
     with the update (update/log_probs.parquet). Until then inspect shows no old-vs-ref KL, and
     does not fail."""
-    from flows.inspect_lib import logprob_metrics
+    from flows.read.inspect_lib import logprob_metrics
     from storage.artifacts import write_table
     from storage.layout import RunLayout
     from storage.run_view import RunView

@@ -244,6 +244,9 @@ REFUSALS = [
     ("ref micro unset while KL loss is on", [f"{REF}log_prob_micro_batch_size_per_gpu=null"], "[actor_rollout_ref.ref]"),
     ("critic micro unset", ["algorithm.adv_estimator=gae"], "[critic] Please set at least one of"),
     ("reward model micro unset", ["reward_model.enable=True"], "[reward_model]"),
+    ("reward model token budget unset", ["reward_model.enable=True", "reward_model.use_dynamic_bsz=True",
+                                         "reward_model.forward_max_token_len_per_gpu=0"],
+     "use_dynamic_bsz needs reward_model.forward_max_token_len_per_gpu"),
     ("train batch below mini", [f"{A}ppo_mini_batch_size=120"], "train_batch_size (60) must be >= actor.ppo_mini_batch_size (120)"),
     ("train batch not a multiple of mini", [f"{A}ppo_mini_batch_size=40", f"{A}ppo_micro_batch_size_per_gpu=4"],
      "not a multiple of"),
@@ -340,3 +343,16 @@ def test_cli_plan_accepts_the_seed_command_lines(capsys):
 def test_compute_plan_is_pure():
     cfg = load_config("tiny-cpu", EXAMPLE_A)
     assert compute_plan(cfg) == compute_plan(cfg)
+
+
+def test_resume_replay_follows_save_freq():
+    """What a resume replays (stagerl plan prints it): at most save_freq - 1 updates; with
+    save_freq=-1 the state is stored at the last step only, so up to every update before it."""
+    from configs.loader import load_config
+    from configs.plan import resume_replay
+
+    cfg = lambda *o: load_config("tiny-cpu", ["trainer.total_training_steps=40", *o])
+    assert resume_replay(cfg("trainer.save_freq=5"))["replays_at_most"] == 4
+    assert resume_replay(cfg("trainer.save_freq=1"))["replays_at_most"] == 0
+    assert resume_replay(cfg("trainer.save_freq=-1")) == {"save_freq": -1, "train_state_every": None,
+                                                         "total_training_steps": 40, "replays_at_most": 39}

@@ -14,7 +14,7 @@ from _pool_steps import run_steps
 from stages.ranks.pool import RankPool
 from stages.model.tiny import save_tiny_model
 from flows.step import is_retryable
-from storage.artifacts import read_file, read_table
+from storage.artifacts import read_file, read_manifest, read_table
 from storage.store import StoreError
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("stages.ranks.deepspeed_ops", fromlist=["x"]).DEFAULT_DIR))
@@ -97,7 +97,7 @@ def model_dir(tmp_path_factory):
 
 def test_two_steps_through_the_pool_equal_per_call_launches(tmp_path, model_dir, capsys):
     """logprob values and update weights (bit for bit) of 2 steps: pool == 4 separate launches;
-    the pool's step 2 reuses the DeepSpeed engines and still writes train_state/step_2."""
+    the pool's step 2 reuses the DeepSpeed engines."""
     launched = run_steps(tmp_path / "launch", model_dir, 2)
     with RankPool(2, "cpu") as pool:
         pooled = run_steps(tmp_path / "pool", model_dir, 2, pool=pool)
@@ -119,5 +119,9 @@ def test_two_steps_through_the_pool_equal_per_call_launches(tmp_path, model_dir,
         assert wa.keys() == wb.keys()
         for name in wa:
             assert torch.equal(wa[name], wb[name]), f"step {step}: {name}"
-        ctx = b["ctx"]
-        assert ctx.store.exists(f"{ctx.layout.train_state}/step_{step:06d}/actor/_manifest.json")
+        # per-call launches store a train state every step; the pooled run hands its weights to the
+        # engines through a version folder and stores none before save_freq or the last step
+        for run, stored in ((a, True), (b, False)):
+            ctx = run["ctx"]
+            assert ctx.store.exists(f"{ctx.layout.train_state}/step_{step:06d}/actor/_manifest.json") is stored
+        assert read_manifest(b["ctx"].store, b["ctx"].layout, step, "update")["extra"]["handoff"] == "folder"

@@ -84,7 +84,7 @@ def test_remax_rollout_reward_advantage(tmp_path, assets):
         assert a == pytest.approx([s - baseline_of[uid]] * len(a), abs=1e-6), row
 
     # stagerl inspect / show display them
-    from flows.inspect_lib import open_view, sample_view, step_summary
+    from flows.read.inspect_lib import open_view, sample_view, step_summary
 
     args = argparse.Namespace(root=str(ctx.store.root), project=None, config="tiny-cpu", experiment="t")
     view = open_view(args, ctx.cfg)

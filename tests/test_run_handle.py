@@ -41,3 +41,25 @@ def test_a_handle_with_only_the_uri_reads_run_json(tmp_path):
     assert got_cfg["trainer"]["experiment_name"] == "h" and got_cfg["storage"]["secret"] is None
     assert rebuilt.open()[0] is got_cfg  # read once
     assert rebuilt.context(1).session is None
+
+
+def test_credential_overrides_reach_the_training_flow_as_a_token_only(caplog):
+    """`stagerl train` holds credential overrides in its own process and gives the rl-train flow a
+    token for them (storage.secrets.held_secret_overrides): Prefect records the token, the flow,
+    in that process, gets the values; once the block ends the token stands for nothing."""
+    from flows.train import run_arguments, train
+    from storage.secrets import held_secret_overrides, split_secret_overrides
+
+    key, secret = "AKIAFAKEKEY7Q3Z9XW2M", "fakeSecret+9vQx/Zr7TtPpLmNnBbVvCcXx"
+    public, held = split_secret_overrides(["data.train_batch_size=8", f"storage.key={key}",
+                                           f"storage.root=s3://{key}:{secret}@bucket/x"])
+    assert public == ["data.train_batch_size=8"] and len(held) == 2
+    with held_secret_overrides(held) as token:
+        validated = train.validate_parameters({"config": "tiny-cpu", "overrides": public, "secret_overrides": token})
+        recorded = train.serialize_parameters(validated)
+        assert recorded["secret_overrides"] == token and key not in repr(recorded) and secret not in repr(recorded)
+        assert run_arguments("tiny-cpu", public, None, token) == ("tiny-cpu", public + held, None)
+    assert run_arguments("tiny-cpu", public, None, token) == ("tiny-cpu", public, None)  # e.g. a retry elsewhere
+    assert "held by the process that started it" in caplog.text
+    with held_secret_overrides([]) as none:
+        assert none is None and run_arguments("tiny-cpu", public, None, none)[1] == public

@@ -2,6 +2,7 @@
 ones a killed process left behind, and only those; `stagerl resume` refuses a name with '..'."""
 import subprocess
 import sys
+from pathlib import Path
 
 from flows.cli import main
 from stages.scratch import _host, remove_orphans, scratch_dir
@@ -23,7 +24,12 @@ def test_orphans_of_dead_processes_on_this_host_are_removed(tmp_path, monkeypatc
         (folder / "actor" / "model.safetensors").write_bytes(b"x" * 1000)
     mine = scratch_dir("pool")  # this (live) process's folder
     assert mine.parent == tmp_path and mine.name.startswith("stagerl-pool-") and f"-{host}-" in mine.name
-    assert remove_orphans() == [orphan]
+    shm = Path("/dev/shm") / f"stagerl-update-{dead_pid}-{host}-000003-version-test"  # a handoff's folder
+    if shm.parent.is_dir():
+        shm.mkdir()
+    removed = remove_orphans()
+    assert [p for p in removed if p.parent == tmp_path] == [orphan]
+    assert not shm.exists() and (shm in removed or not shm.parent.is_dir())
     assert not orphan.exists() and other_host.exists() and unrelated.exists() and mine.exists()
 
 

@@ -389,7 +389,7 @@ def test_overrides_in_run_json_and_resume_keep_no_secret(store, layout, monkeypa
     """run.json's source overrides (what `stagerl resume` replays) hold no credential; resume drops
     the scrubbed ones and takes credentials from the environment; a reward error quoting an
     AWS_* value from the environment is scrubbed."""
-    from flows.cmd_train import resume_arguments
+    from flows.cli.train import resume_arguments
     from stages.scoring.reward_fns import describe_error
     from storage.secrets import is_scrubbed_override, scrub_override
 

@@ -66,7 +66,7 @@ def main() -> int:
     import torch
 
     import flows.train as train_mod
-    from flows.cmd_train import drain_prefect_senders
+    from flows.cli.train import drain_prefect_senders
     t_imported = time.time()
 
     events: list = []

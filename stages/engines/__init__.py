@@ -29,6 +29,11 @@ from pathlib import Path
 ENGINES = {"hf": "stages.engines.hf:HFEngine", "vllm": "stages.engines.vllm_engine:VLLMEngine"}
 
 
+# in a weights version folder (stages.training.handoff): the version its weights are; a folder with
+# this file and no *.safetensors holds only the small files of a version served from memory
+VERSION_FILE = "stagerl_version.json"
+
+
 class EngineError(RuntimeError):
     """A generation engine failed (the message carries the engine's own error)."""
 
@@ -100,6 +105,9 @@ class EngineOptions:
     max_model_len: int | None = None
     engine_seed: int = 0  # the engine's own seed, fixed for a run (rows carry their own seeds)
     step_seed: int = 0  # this call's seed (hf: generation batches are reseeded from it)
+    # the weights version the call must sample from (stages.training.handoff.version_id); None:
+    # whatever model_dir holds (the initial model, a one-off call)
+    weights_version: str | None = None
     timings: dict = field(default_factory=dict)
 
 

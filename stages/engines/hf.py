@@ -116,6 +116,29 @@ class HFEngine(Engine):
         self._read_ids(model_dir)
         return {"load_weights_s": round(time.perf_counter() - t0, 4)}
 
+    def load_tensors(self, named) -> dict:
+        """Copy (name, tensor) pairs, the trainer's parameters, into the loaded model in place (the
+        update's memory handoff, stages.training.handoff): every parameter must be given once."""
+        import torch
+
+        t0 = time.perf_counter()
+        params = dict(self.model.named_parameters())
+        seen = set()
+        with torch.no_grad():
+            for name, value in named:
+                if name not in params:
+                    raise ValueError(f"handed-over weight {name!r} is not a parameter of the running model "
+                                     f"(another architecture needs a new engine)")
+                params[name].copy_(value)
+                seen.add(name)
+        if seen != set(params):
+            raise ValueError(f"the handed-over weights miss {sorted(set(params) - seen)[:5]}")
+        return {"load_weights_s": round(time.perf_counter() - t0, 4)}
+
+    def named_weights(self) -> dict:
+        """The served parameters by name (what a stored version of them holds)."""
+        return dict(self.model.named_parameters())
+
     def generate(self, prompt_ids, seeds, sampling: Sampling, replica: int, step_seed: int,
                  rollout: dict) -> list[Generation]:
         import torch

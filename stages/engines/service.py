@@ -21,11 +21,31 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
-from stages.engines import (EngineOptions, Generation, Sampling, check_rows, engine_class, make_spec,
-                            replica_shares)
+from stages.engines import (VERSION_FILE, EngineOptions, Generation, Sampling, check_rows, engine_class,
+                            make_spec, replica_shares)
 from stages.engines.worker import EngineWorker, WorkerDied
 from stages.scratch import scratch_dir
+
+
+def needs_load(loaded, held, model_dir, version) -> bool:
+    """Whether an engine holding `held` (loaded from folder `loaded`) must load `model_dir` to
+    sample from weights `version`. A version held is never reloaded; a folder that only names a
+    version held in memory (a handoff's small files, not yet stored) cannot be loaded, so a call
+    for any other version is refused before it samples (EngineError naming both)."""
+    from stages.engines import EngineError
+
+    if version is not None and held == version:
+        return False
+    if version is None and held is None and str(loaded) == str(model_dir):
+        return False
+    folder = Path(str(model_dir))
+    if (folder / VERSION_FILE).exists() and not any(folder.glob("*.safetensors")):
+        raise EngineError(f"the rollout must sample from weights version {version} (in memory only, "
+                          f"not yet stored: {folder}), but the engine holds {held}: refusing to sample "
+                          f"from another version")
+    return True
 
 
 def in_process_resident(specs) -> bool:
@@ -44,6 +64,7 @@ class RolloutEngines:
         self.log_dir = str(log_dir or scratch_dir("engines"))
         self.workers: dict[int, EngineWorker] = {}
         self.local = None  # (restart key, engine, weights folder) of an engine in this process
+        self.local_version = None  # the weights version self.local holds (stages.training.handoff)
         self.warm_start = None  # warm_up's start timings of self.local, reported by the first call
         self.starts = 0  # worker processes started (a resident run: once per replica)
         self.restarts = 0  # of which after a worker died
@@ -66,7 +87,7 @@ class RolloutEngines:
             for slot in slots:  # every worker starts at once
                 self._launch(slot)
             for slot, spec in zip(slots, specs):
-                self._settle(slot, timings, spec.model_dir)
+                self._settle(slot, timings, spec.model_dir, options.weights_version)
             results: list[Generation] = [None] * len(prompt_ids)
             sent = []
             for slot, spec, share in zip(slots, specs, shares):
@@ -160,20 +181,56 @@ class RolloutEngines:
         self.workers[spec.replica] = worker
         self.starts += 1
 
-    def _settle(self, spec, timings: dict, model_dir) -> None:
-        """Wait until the worker's engine has started, then give it the weights in `model_dir`."""
+    def _settle(self, spec, timings: dict, model_dir, version=None) -> None:
+        """Wait until the worker's engine has started, then give it the weights in `model_dir`
+        unless it holds `version` already."""
         worker = self.workers[spec.replica]
         if not worker.started:
             started = worker.result()
             worker.started, worker.loaded = True, worker.spec.model_dir
+            worker.version = None
             timings["engine_start_s"] = max(timings["engine_start_s"], started["engine_start_s"])
             timings["started"] += 1
             if started.get("notes"):
                 timings["notes"] = started["notes"]
-        if worker.loaded != str(model_dir):
+        held = getattr(worker, "version", None)
+        if needs_load(worker.loaded, held, model_dir, version):
             loaded = worker.call("load", str(model_dir))
-            worker.loaded = str(model_dir)
+            worker.loaded, worker.version = str(model_dir), version
             timings["load_weights_s"] = max(timings["load_weights_s"], loaded["load_weights_s"])
+
+    # ---- the update's handoff (stages.training.handoff) ----------------------------------------
+    def take_tensors(self, named, version: str, folder) -> float:
+        """The update's new weights, (name, tensor) pairs, copied into the engine in this process;
+        it then holds `version` (its small files in `folder`). Returns the seconds it took."""
+        if self.local is None:
+            raise RuntimeError("no rollout engine in this process to hand the weights to")
+        key, engine, _ = self.local
+        self.local_version = None  # half-copied weights are no version
+        took = engine.load_tensors(named)["load_weights_s"]
+        self.local, self.local_version = (key, engine, str(folder)), version
+        return took
+
+    def take_folder(self, folder, version: str) -> float:
+        """Load a version folder into every engine started so far (the others load it when they
+        start); returns the seconds of the slowest."""
+        took = 0.0
+        if self.local is not None:
+            key, engine, _ = self.local
+            self.local_version = None
+            took = engine.load_weights(str(folder))["load_weights_s"]
+            self.local, self.local_version = (key, engine, str(folder)), version
+        for worker in self.workers.values():
+            if worker.alive() and getattr(worker, "started", False):
+                worker.version = None
+                took = max(took, worker.call("load", str(folder))["load_weights_s"])
+                worker.loaded, worker.version = str(folder), version
+        return took
+
+    def held_versions(self) -> list:
+        """The weights version each engine holds (None: a folder's, loaded without one)."""
+        held = [self.local_version] if self.local is not None else []
+        return held + [getattr(w, "version", None) for w in self.workers.values() if w.alive()]
 
     def _in_process(self, specs, shares, prompt_ids, sampling, options, t0) -> list[Generation]:
         """hf in this process: every replica in turn, with the threads a worker process would
@@ -193,9 +250,10 @@ class RolloutEngines:
             timings["engine_start_s"], timings["started"] = self.warm_start["engine_start_s"], 1
             self.warm_start = None
         key, engine, loaded = self.local
-        if loaded != specs[0].model_dir:
+        if needs_load(loaded, self.local_version, specs[0].model_dir, options.weights_version):
+            self.local_version = None
             timings["load_weights_s"] = engine.load_weights(specs[0].model_dir)["load_weights_s"]
-            self.local = (key, engine, specs[0].model_dir)
+            self.local, self.local_version = (key, engine, specs[0].model_dir), options.weights_version
         threads = torch.get_num_threads()
         torch.set_num_threads(self.slot_spec(specs[0]).threads)
         results: list[Generation] = [None] * len(prompt_ids)
@@ -224,7 +282,7 @@ class RolloutEngines:
         for worker in self.workers.values():
             if worker.alive() and worker.spec.device == "cuda" and worker.spec.setting("free_cache_engine", True):
                 worker.call("sleep")
-                worker.loaded = None
+                worker.loaded, worker.version = None, None
 
     def close(self) -> None:
         for worker in self.workers.values():

@@ -199,9 +199,15 @@ def export_hf(engine, out_dir: Path, rank: int, tokenizer_from=None) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     engine.module.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
-    config_file = out_dir / "config.json"  # the tensors are fp32 whatever the training dtype
+    write_model_files(out_dir, "float32", tokenizer_from)
+
+
+def write_model_files(out_dir: Path, dtype: str, tokenizer_from=None) -> None:
+    """After save_pretrained: config.json's dtype set to the stored tensors' (whatever the training
+    dtype), the tokenizer and the generation config of the folder `tokenizer_from`."""
+    config_file = out_dir / "config.json"
     config = json.loads(config_file.read_text())
-    config["dtype"] = "float32"
+    config["dtype"] = dtype
     config.pop("torch_dtype", None)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer_from is not None:

@@ -24,6 +24,7 @@ class Role:
     offload_key = ""   # config section of its param/optimizer offload switches
     seed_offset = 0    # mini-batch shuffle generator: update seed + this
     exports_tokenizer = False
+    is_policy = False  # the model the rollout samples: its update's micro-batches are those shown per rank
 
     def __init__(self, ctx):
         self.cfg = ctx.get(self.prefix)
@@ -62,6 +63,7 @@ class Role:
 class ActorRole(Role):
     name, prefix, model_key, offload_key = "actor", ACTOR, "actor_rollout_ref.model", f"{ACTOR}.fsdp_config"
     exports_tokenizer = True
+    is_policy = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -158,6 +160,19 @@ class CriticRole(Role):
                          "vpred_mean": float((vpreds.detach() * mask).sum())}
 
 
+ROLES = (CriticRole, ActorRole)  # verl's order: critic first
+
+
 def planned_roles(ctx) -> list[Role]:
     """The roles this config trains, in verl's order (critic first)."""
-    return [cls(ctx) for cls in (CriticRole, ActorRole) if ctx.plan.get(cls.name)]
+    return [cls(ctx) for cls in ROLES if ctx.plan.get(cls.name)]
+
+
+def role_named(name: str) -> type[Role] | None:
+    """The role whose update micro-batches are recorded under `name` (the update table's `role`
+    column); None for other names, such as a logprob pass's 'logprob/actor'."""
+    return next((cls for cls in ROLES if cls.name == name), None)
+
+
+def policy_role() -> type[Role]:
+    return next(cls for cls in ROLES if cls.is_policy)

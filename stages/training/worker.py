@@ -29,6 +29,7 @@ packed into bins too with model.use_remove_padding. The loss is exact for any gr
 """
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import time
@@ -42,7 +43,7 @@ from stages.progress import progress
 from stages.ranks.files import ship_work_dir
 from stages.training import engine as update_engine
 from stages.training.roles import ACTOR, ActorRole, planned_roles
-from stages.training.state import TRAIN_CONFIG_KEYS, previous_state
+from stages.training.state import TRAIN_CONFIG_KEYS, newest_state, state_due, state_folder
 
 
 def _all_sum(values: list[float], device) -> list[float]:
@@ -83,14 +84,57 @@ class UpdateJob:
             out[role.name] = str(folder)
         return out
 
-    def export(self, work_dir: Path) -> dict:
+    def export(self, work_dir: Path, roles=None) -> dict:
         out = {}
-        for role in self.roles:
+        for role in self.roles if roles is None else [r for r in self.roles if r.name in roles]:
             folder = Path(work_dir) / f"{role.name}_hf"
             update_engine.export_hf(role.engine, folder, self.rank,
                                     tokenizer_from=self.init_path if role.exports_tokenizer else None)
             out[role.name] = str(folder)
         return out
+
+    def hand_over(self, ctx, handoff: dict) -> dict:
+        """The actor's new weights to the rollout engine (stages.training.handoff): "memory" copies
+        them into the engine in this process, "folder" has rank 0 write them into the version
+        folder (shared memory) that the flow's engines then load. Both also get the version's
+        small files (config, tokenizer). Every rank calls it (a gather is a collective)."""
+        from stages.training import handoff as ho
+
+        t0 = time.perf_counter()
+        folder, dtype = Path(handoff["dir"]), getattr(torch, handoff["dtype"])
+        if self.rank == 0:
+            self._small_files(folder, dtype, handoff["version"])
+        pairs = ho.rollout_tensors(self.actor.engine, dtype, self.rank)
+        if handoff["mode"] == "memory":
+            took = ctx.session.engines().take_tensors(pairs, handoff["version"], folder)
+        else:
+            named = dict(pairs)
+            if self.rank == 0:
+                data = ho.serialize(named)
+                tmp = folder / f".{ho.WEIGHTS_FILE}.tmp"
+                tmp.write_bytes(data)
+                tmp.rename(folder / ho.WEIGHTS_FILE)
+            took = None
+        return {"mode": handoff["mode"], "load_s": took, "handoff_s": time.perf_counter() - t0}
+
+    def _small_files(self, folder: Path, dtype, version: str) -> None:
+        """A version folder's config, generation config and tokenizer: written once per job into a
+        template, then copied (tokenizer files are the same at every step)."""
+        import shutil
+
+        from stages.scratch import scratch_dir
+        from stages.training import handoff as ho
+
+        template = getattr(self, "_template", None)
+        if template is None or template[1] != dtype:
+            folder_t = scratch_dir("update", "version-template-")
+            ho.write_small_files(folder_t, self.actor.engine.module, self.init_path, dtype, "")
+            template = self._template = (folder_t, dtype)
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in template[0].iterdir():
+            if f.is_file():
+                shutil.copy(f, folder / f.name)
+        (folder / ho.VERSION_FILE).write_text(json.dumps({"version": version}) + "\n")
 
     # ---- data ---------------------------------------------------------------------------------
     def rank_rows(self, ctx) -> list[dict]:
@@ -266,13 +310,48 @@ def _prepare(ctx, rank: int, world: int, device: str, kept: dict | None, key, t0
 
     if kept is None:  # engines are not kept here: nothing to prepare
         return {"rank": rank, "prepared": False}
-    job = UpdateJob(ctx, rank, world, rank_device(device))
-    if ctx.step > 1:
-
-        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles})
+    job, replayed = restore_job(ctx, rank, world, rank_device(device))
     kept.clear()
     kept[key] = (job, ctx.step - 1, update_engine.rng_state())
-    return {"rank": rank, "prepared": True, "prepare_s": round(time.perf_counter() - t0, 3)}
+    return {"rank": rank, "prepared": True, "prepare_s": round(time.perf_counter() - t0, 3),
+            "replayed_steps": replayed}
+
+
+def _save_kept(ctx, rank: int, kept: dict | None, key) -> dict:
+    """The train state of step ctx.step from the engines kept after its update (a run that
+    ends or stops before its next save_freq step), with the RNG state the step ended with."""
+    entry = (kept or {}).get(key)
+    if entry is None or entry[1] != ctx.step:
+        return {"rank": rank, "saved": False}
+    job, _, rng = entry
+    now = update_engine.rng_state()
+    update_engine.restore_rng(rng)
+    try:
+        job.save_state(Path(ctx.extra["update_work_dir"]))
+    finally:
+        update_engine.restore_rng(now)
+    return {"rank": rank, "saved": True, "shipped": ship_work_dir(ctx, Path(ctx.extra["update_work_dir"]),
+                                                                  "update", rank)}
+
+
+def restore_job(ctx, rank: int, world: int, device: str) -> tuple[UpdateJob, list[int]]:
+    """The engines as they were after step ctx.step-1's update, without a job kept from it: the
+    newest stored train state (stages.training.state.newest_state; none: the initial weights),
+    then the updates of the steps after it replayed from their stored rows (no rollout runs, no
+    artifact is written). Returns (job, the steps replayed)."""
+    from dataclasses import replace
+
+    roles = [r.name for r in planned_roles(ctx)]
+    start = newest_state(ctx, roles)
+    job = UpdateJob(replace(ctx, step=start + 1), rank, world, device)  # seeded as step start+1's job
+    if start:
+        job.load_state({role: str(state_folder(ctx, start, role)) for role in roles})
+    replayed = list(range(start + 1, ctx.step))
+    for s in replayed:
+        print(f"update of step {ctx.step}: replaying step {s}'s update from its stored rows "
+              f"(newest stored train state: step {start})", flush=True)
+        job.train_step(replace(ctx, step=s))
+    return job, replayed
 
 
 def release_kept_jobs(kept: dict) -> None:
@@ -327,26 +406,37 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     key = _job_key(ctx, world) if kept is not None else None
     if ctx.extra.get("prepare_only"):
         return _prepare(ctx, rank, world, device, kept, key, t0)
+    if ctx.extra.get("save_only"):
+        return _save_kept(ctx, rank, kept, key)
     job = _take_kept_job(ctx, kept, key) if kept is not None else None
-    reused = job is not None
-    if job is None:
-        job = UpdateJob(ctx, rank, world, rank_device(device))
+    reused, replayed = job is not None, []
     t1 = time.perf_counter()
-    if not reused and ctx.step > 1:  # no engine kept from step k-1: its checkpoint, from the store
-
-        job.load_state({role.name: str(previous_state(ctx, role.name)) for role in job.roles})
+    if job is None:  # no engine kept from step k-1: the newest stored state, then a replay
+        job, replayed = restore_job(ctx, rank, world, rank_device(device))
     t2 = time.perf_counter()
     out = job.train_step(ctx)
     t3 = time.perf_counter()
+    trained_at = time.time()
     work = Path(ctx.extra["update_work_dir"])
-    job.save_state(work)
-    rng = update_engine.rng_state()  # what save_state wrote into rng_rank<r>.pt
-    job.export(work)
-    shipped = ship_work_dir(ctx, work, "update", rank)  # ranks on other machines: through the store
+    handoff = ctx.extra.get("handoff")  # set by the update stage (stages.training.handoff.mode)
+    if handoff:
+        out["handoff"] = {**job.hand_over(ctx, handoff), "trained_at": trained_at}
+        job.export(work, roles=[r.name for r in job.roles if r is not job.actor])  # the critic's
+    else:
+        job.export(work)
     t4 = time.perf_counter()
+    saved = state_due(ctx, every_step=kept is None or not handoff)
+    if saved:
+        job.save_state(work)
+    rng = update_engine.rng_state()  # what save_state wrote into rng_rank<r>.pt
+    shipped = ship_work_dir(ctx, work, "update", rank)  # ranks on other machines: through the store
+    t5 = time.perf_counter()
     if kept is not None:
         kept[key] = (job, ctx.step, rng)
-    out["timings"] = {"init_s": t1 - t0, "load_state_s": t2 - t1, "train_s": t3 - t2, "save_export_s": t4 - t3}
+    out["timings"] = {"init_s": t1 - t0, "load_state_s": t2 - t1, "train_s": t3 - t2, "save_export_s": t5 - t3}
+    out["phases"] = {"handoff_or_export_s": t4 - t3, "save_state_s": t5 - t4}
+    out["state_saved"] = saved
+    out["replayed_steps"] = replayed
     out["rank"] = rank
     out["host"] = socket.gethostname()
     out["shipped"] = shipped

@@ -1,6 +1,7 @@
 """What `stagerl inspect` and `stagerl show` compute from a run (storage.run_view.RunView): one
 step's per-stage summary, the best and worst samples, one sample joined across the five stages;
-plus the run arguments and error handling every run command shares."""
+plus opening the run a command names (its arguments: flows/cli/args.py) and the error handling
+every run command shares."""
 from __future__ import annotations
 
 import functools
@@ -12,20 +13,7 @@ from storage.layout import STAGES
 ERROR_EXIT = 2
 
 
-# ---- shared CLI plumbing ------------------------------------------------------------------------
-def add_run_arguments(parser, experiment: bool = True) -> None:
-    if experiment:
-        parser.add_argument("experiment", help="trainer.experiment_name of the run")
-    parser.add_argument("--project", default=None,
-                        help="trainer.project_name (default: the config's)")
-    parser.add_argument("--root", default=None,
-                        help="store root, a local path or s3://bucket/prefix (default: "
-                             "$STAGERL_ROOT, else the config's storage.root); S3 credentials "
-                             "and endpoint come from the config's storage.* or AWS_* variables")
-    parser.add_argument("--config", default="tiny-cpu",
-                        help="config name or YAML file giving storage.* and trainer.project_name")
-
-
+# ---- shared CLI plumbing (the arguments themselves: flows/cli/args.py) ----------------------------
 def load_cli_config(args, overrides=()):
     from configs.loader import load_config
 
@@ -191,18 +179,19 @@ def advantage_metrics(view, step: int) -> dict:
             "data_metrics": view.data_metrics(step)}
 
 
-def actor_pass(microbatches) -> list:
-    """The actor's micro-batches of the first PPO epoch (the table also holds the critic's
-    and later epochs', which repeat the same rows), as dicts."""
-    return [r for r in microbatches.to_pylist()
-            if r.get("role", "actor") in ("actor", None) and not r.get("epoch")]
+def update_pass(microbatches, role: str = "actor") -> list:
+    """An update role's micro-batches of the first PPO epoch (the table also holds the other
+    role's, the logprob passes' and later epochs', which repeat the same rows), as dicts. Default:
+    the policy's, stages.training.roles.policy_role() (not imported here: it loads torch); a row
+    without a role is the actor's."""
+    return [r for r in microbatches.to_pylist() if (r.get("role") or "actor") == role and not r.get("epoch")]
 
 
 def rank_balance(microbatches) -> dict:
     """Per rank (actor, first epoch): micro-batches, rows, real and padded tokens; max/mean of
     rows and real tokens."""
     ranks = {}
-    for r in actor_pass(microbatches):
+    for r in update_pass(microbatches):
         entry = ranks.setdefault(r["rank"], {"rank": r["rank"], "micro_batches": 0, "rows": 0,
                                              "real_tokens": 0, "padded_tokens": 0})
         entry["micro_batches"] += 1

@@ -1,14 +1,13 @@
 """`stagerl runs [--root URL]`: the experiments in a store, their steps done, the last
 complete stage, and for a fork its source and fork point (run.json's lineage, flows/fork.py)."""
+from flows.cli.args import add_json, add_root
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "runs", help="list experiments in a store with steps done and the last complete stage")
-    p.add_argument("--root", default=None,
-                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
-                        "or ./runs); S3 credentials come from the AWS_* environment variables")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_root(p)
+    add_json(p, "the experiments")
     p.add_argument("--verify", action="store_true",
                    help="also read every stored file back against its manifest's checksum "
                         "(column DAMAGED; `stagerl verify EXPERIMENT` lists them)")

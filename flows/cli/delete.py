@@ -3,25 +3,23 @@ the store. Refused while forks reference its objects (flows/fork.py), naming the
 `--detach-forks` every object a fork references is first copied into that fork (storage.lineage
 copy on demand), so the forks keep working. Deleting a fork removes its records at the runs it
 references; their objects stay."""
+from flows.cli.args import add_experiment, add_force_lock, add_root
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("delete", help="remove an experiment from the store (refused while "
                                              "forks reference it, unless --detach-forks)")
-    p.add_argument("experiment", help="EXPERIMENT or PROJECT/EXPERIMENT in the store")
-    p.add_argument("--root", default=None,
-                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
-                        "or ./runs)")
+    add_experiment(p)
+    add_root(p)
     p.add_argument("--detach-forks", action="store_true",
                    help="copy what forks reference into them first, then delete")
-    p.add_argument("--force-lock", action="store_true",
-                   help="break the experiment lock held by another writer")
+    add_force_lock(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from flows.fork import ForkRefused, lock_run
-    from flows.inspect_lib import find_experiment_or_say
+    from flows.read.inspect_lib import find_experiment_or_say
     from storage.artifacts import read_run_json
     from storage.layout import RunLayout
     from storage.lineage import fork_records, forget_fork, release

@@ -7,20 +7,13 @@ import sys
 
 import yaml
 
-
-def add_config_args(parser) -> None:
-    """--config NAME and trailing dotted overrides: shared by every command that loads a config."""
-    parser.add_argument("--config", default=None,
-                        help="config name in configs/ or a YAML path (default: base = verl's defaults; "
-                             "the CPU demo is tiny-cpu)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides as in verl/Hydra: a.b=c, +a.b=c (add), ++a.b=c, ~a.b (delete)")
+from flows.cli.args import add_config_args, add_json
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="print the batch plan (prompts -> rows -> per-rank mini/micro-batches)")
     add_config_args(p)
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_json(p, "the plan")
     p.set_defaults(func=run_plan)
     c = subparsers.add_parser("config", help="show the resolved config, or list every key")
     c.add_argument("what", choices=["show", "keys"], help="show: resolved YAML; keys: every key with its doc")
@@ -62,11 +55,13 @@ def run_plan(args) -> int:
         if args.json:
             print(json.dumps({"error": str(err), "suggestions": getattr(err, "suggestions", {})}))
         return 2
+    resume = resume_cost(cfg)
     if args.json:
-        print(json.dumps({**plan, "memory": memory}, indent=2))
+        print(json.dumps({**plan, "memory": memory, "resume": resume}, indent=2))
     else:
         print(render_plan(plan, cfg))
         print(render_memory(memory, cfg))
+        print(render_resume(resume))
         from configs.plan import check_trainable
 
         try:
@@ -74,6 +69,41 @@ def run_plan(args) -> int:
         except ConfigError as err:
             print(f"note: `stagerl train` refuses this config: {err}")
     return 0
+
+
+def resume_cost(cfg) -> dict:
+    """configs.plan.resume_replay, with its cost in update-seconds when the experiment already has
+    updates in the store (the newest one's timing/rank_train_s: a replayed update trains the same)."""
+    from configs.plan import resume_replay
+
+    out = resume_replay(cfg)
+    try:
+        from storage.artifacts import read_manifest
+        from storage.layout import RunLayout
+        from storage.store import Store
+
+        store, layout = Store.from_config(cfg.get("storage", {})), RunLayout.from_config(cfg)
+        steps = sorted(int(n) for n in store.list(layout.steps_dir) if n.isdigit())
+        for step in reversed(steps):
+            train_s = ((read_manifest(store, layout, step, "update") or {}).get("timings") or {}).get(
+                "timing/rank_train_s")
+            if train_s is not None:
+                out.update(update_s=round(float(train_s), 3), from_step=step,
+                           replay_s_at_most=round(float(train_s) * out["replays_at_most"], 1))
+                break
+    except Exception:  # noqa: BLE001 - no run yet, or an unreachable store: the count alone
+        pass
+    return out
+
+
+def render_resume(resume: dict) -> str:
+    every = (f"every {resume['train_state_every']} steps and at the last step" if resume["train_state_every"]
+             else "at the last step only (trainer.save_freq=-1)")
+    cost = (f" ≈ {resume['replay_s_at_most']} s of update compute (step {resume['from_step']}'s update "
+            f"trained in {resume['update_s']} s)" if "replay_s_at_most" in resume
+            else " (each costs one update's compute: timing/rank_train_s)")
+    return (f"resume: the train state is stored {every}; a resume restores the newest stored one and "
+            f"replays at most {resume['replays_at_most']} updates from their stored rows{cost}")
 
 
 def render_memory(memory: dict | None, cfg) -> str:

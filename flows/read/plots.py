@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 
-from flows.inspect_lib import overview_row
+from flows.read.inspect_lib import overview_row, rank_balance, update_pass
 
 OVER_STEPS = (("score/mean", "reward (score mean)"), ("acc/mean", "acc (mean)"),
               ("kl", "KL(old || ref), k1 token mean"), ("entropy", "entropy (token mean)"),
@@ -121,8 +121,6 @@ def length_histogram(view, step: int):
 
 
 def rank_load(view, step: int):
-    from flows.inspect_lib import rank_balance
-
     plt = _pyplot()
     bal = rank_balance(view.table(step, "update"))
     ranks = [r["rank"] for r in bal["ranks"]]
@@ -142,14 +140,14 @@ def rank_load(view, step: int):
     return fig
 
 
-def token_budget(view):
-    """(budget, label) of the update's micro-batches: the plan's actor max_token_len_per_micro_batch
-    (ppo_max_token_len_per_gpu x sp, what stages.batches.binning bounds padded tokens by) when
-    use_dynamic_bsz, else None (micro-batches are formed by row count)."""
+def token_budget(view, role: str):
+    """(budget, label) of an update role's micro-batches: the plan's max_token_len_per_micro_batch
+    of the role (ppo_max_token_len_per_gpu x sp, what stages.batches.binning bounds padded tokens
+    by) when use_dynamic_bsz, else None (micro-batches are formed by row count)."""
     from storage.artifacts import read_run_json
 
-    actor = ((read_run_json(view.store, view.layout) or {}).get("plan") or {}).get("actor") or {}
-    budget = actor.get("max_token_len_per_micro_batch") if actor.get("use_dynamic_bsz") else None
+    planned = ((read_run_json(view.store, view.layout) or {}).get("plan") or {}).get(role) or {}
+    budget = planned.get("max_token_len_per_micro_batch") if planned.get("use_dynamic_bsz") else None
     return (int(budget), f"token budget {budget} (plan: ppo_max_token_len_per_gpu × sp)") if budget else (None, None)
 
 
@@ -170,14 +168,17 @@ def logprob_roles(table) -> list:
     return sorted({r for r in roles if r and r.startswith("logprob/")})
 
 
-def microbatch_tokens(view, step: int, role: str = "actor"):
-    """Tokens of each micro-batch against the budget: the actor's update (epoch 0), or a logprob
-    role's forward passes (role "logprob/actor", "logprob/ref", "logprob/critic")."""
+def microbatch_tokens(view, step: int, role: str | None = None):
+    """Tokens of each micro-batch against the budget: an update role's first epoch (default: the
+    policy's, the actor), or a logprob role's forward passes (role "logprob/actor", "logprob/ref",
+    "logprob/critic")."""
     plt = _pyplot()
-    from flows.inspect_lib import actor_pass
+    from stages.training.roles import policy_role, role_named
 
+    trained = policy_role() if role is None else role_named(role)  # None: a logprob pass
+    role = trained.name if trained is not None else role
     table = view.table(step, "update")
-    chosen = (actor_pass(table) if role == "actor"
+    chosen = (update_pass(table, role) if trained is not None
               else [r for r in table.to_pylist() if r.get("role") == role])
     mbs = sorted(chosen, key=lambda r: (r["rank"], r.get("mini_batch") or 0, r["micro_batch"]))
     fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(mbs)), 3.5))
@@ -187,14 +188,14 @@ def microbatch_tokens(view, step: int, role: str = "actor"):
            label="padded tokens")
     ax.bar(xs, [m["real_tokens"] for m in mbs],
            color=[colors[m["rank"] % len(colors)] for m in mbs], label="real tokens (colour: rank)")
-    budget, label = token_budget(view) if role == "actor" else logprob_token_budget(view, step, role)
+    budget, label = token_budget(view, role) if trained is not None else logprob_token_budget(view, step, role)
     if budget:
         ax.axhline(budget, color="tab:red", linestyle="--", label=label)
     ax.set_xticks(xs)
     ax.set_xticklabels([f"r{m['rank']}.{m['micro_batch']}" for m in mbs], rotation=90, fontsize=7)
     ax.set_xlabel("micro-batch (rank.index)")
     ax.set_ylabel("tokens")
-    ax.set_title(f"step {step}: {role} tokens per micro-batch" + (" (epoch 0)" if role == "actor" else "")
+    ax.set_title(f"step {step}: {role} tokens per micro-batch" + (" (epoch 0)" if trained is not None else "")
                  + ("" if budget else " (static micro-batches: no token budget)"))
     ax.legend(fontsize=8)
     return fig

@@ -4,25 +4,26 @@ the run overview (reward, acc, KL, entropy and response length over steps) and, 
 load and the tokens of each micro-batch against the token budget.
 `stagerl plot A B [C ...]`: the overview's curves of several runs (a run and its forks) overlaid
 in one figure, branches_A_B.png in the first run's plots/ folder, fork points marked."""
-from flows.inspect_lib import add_run_arguments, guarded
+from flows.cli.args import RUN_HELP, add_json, add_run_arguments
+from flows.read.inspect_lib import guarded
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plot", help="write PNG plots of a run into its plots/ folder")
     p.add_argument("experiment", nargs="+",
-                   help="trainer.experiment_name of the run; several: their curves overlaid")
+                   help=f"{RUN_HELP}; several: their curves overlaid")
     add_run_arguments(p, experiment=False)
     p.add_argument("--step", type=int, action="append", default=None,
                    help="per-step plots for this step (repeatable; default: the last step)")
     p.add_argument("--all", action="store_true", help="per-step plots for every step")
-    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    add_json(p, "what was written")
     p.set_defaults(func=run)
 
 
 @guarded
 def run(args) -> int:
-    from flows.inspect_lib import open_view
-    from flows.plots import make_plots
+    from flows.read.inspect_lib import open_view
+    from flows.read.plots import make_plots
 
     names = list(dict.fromkeys(args.experiment))
     if len(names) > 1:
@@ -46,8 +47,8 @@ def overlay(args, names: list) -> int:
     """branches_{names}.png in the first run's plots/ folder."""
     import argparse
 
-    from flows.inspect_lib import load_cli_config, open_view
-    from flows.plots import branches_figure, save
+    from flows.read.inspect_lib import load_cli_config, open_view
+    from flows.read.plots import branches_figure, save
 
     cfg = load_cli_config(args)
     views = [open_view(argparse.Namespace(**{**vars(args), "experiment": n}), cfg) for n in names]

@@ -5,7 +5,8 @@ several --experiment (a run and its forks) each table holds the rows of all of t
 compare in one statement (GROUP BY experiment; joins USING (experiment, step, row)).
 `stagerl export EXPERIMENT --format jsonl [--out DIR]`: verl's rollout dump, one {step}.jsonl per
 step (input, output, gts, score, step, reward extras), as trainer.rollout_data_dir writes it."""
-from flows.inspect_lib import add_run_arguments, guarded
+from flows.cli.args import RUN_HELP, add_json, add_run_arguments
+from flows.read.inspect_lib import guarded
 
 
 def register(subparsers) -> None:
@@ -13,10 +14,10 @@ def register(subparsers) -> None:
                                             "logprob, reward, advantage, microbatches, metrics, candidates, baseline")
     q.add_argument("sql", help='e.g. "SELECT step, avg(score) FROM reward GROUP BY step"')
     q.add_argument("--experiment", required=True, action="append",
-                   help="trainer.experiment_name of the run; repeat it to query several runs at "
-                        "once (the tables' `experiment` column tells them apart)")
+                   help=f"{RUN_HELP}; repeat it to query several runs at once (the tables' "
+                        "`experiment` column tells them apart)")
     add_run_arguments(q, experiment=False)
-    q.add_argument("--json", action="store_true", help="print rows as JSON objects")
+    add_json(q, "the rows")
     q.set_defaults(func=run_query)
 
     e = subparsers.add_parser("export", help="verl's per-step rollout dump ({step}.jsonl)")
@@ -31,14 +32,11 @@ def register(subparsers) -> None:
 
 @guarded
 def run_query(args) -> int:
+    import argparse
     import json
 
-    from flows.inspect_lib import open_view
+    from flows.read.inspect_lib import load_cli_config, open_view
     from storage.query import run_query as execute
-
-    import argparse
-
-    from flows.inspect_lib import load_cli_config
 
     cfg = load_cli_config(args)
     names = list(dict.fromkeys(args.experiment))
@@ -74,7 +72,7 @@ def run_export(args) -> int:
     import sys
     from pathlib import Path
 
-    from flows.inspect_lib import open_view
+    from flows.read.inspect_lib import open_view
     from storage.query import dump_rows
 
     view = open_view(args)

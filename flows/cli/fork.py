@@ -4,23 +4,21 @@ them, and trains from there with the overrides (flows/fork.py). It runs the rl-t
 `fork` parameter, as a deployment run can; running the same command again (or `stagerl resume
 NEW`) continues the fork. An override that would change a stage the fork reuses is refused with
 exit code 2, naming the keys and the stage."""
+from flows.cli.args import add_experiment, add_force_lock, add_overrides, add_root
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("fork", help="branch an experiment at a stage of a step and train "
                                            "the branch with overrides (reuses, not copies, SRC's work)")
-    p.add_argument("source", help="SRC: EXPERIMENT or PROJECT/EXPERIMENT in the store")
+    add_experiment(p, "source", label="SRC: ")
     p.add_argument("new", help="NEW: the fork's experiment name (in SRC's project)")
     p.add_argument("--at", required=True, metavar="STEP:STAGE",
                    help="the first stage NEW computes itself, e.g. 3:advantage (everything before "
                         "it is SRC's)")
-    p.add_argument("--root", default=None,
-                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
-                        "or ./runs)")
-    p.add_argument("--force-lock", action="store_true",
-                   help="break the experiment lock held by another writer")
-    p.add_argument("overrides", nargs="*", help="dotted overrides for NEW, e.g. algorithm.adv_estimator=rloo")
-    p.set_defaults(func=run, trailing_overrides=True)
+    add_root(p)
+    add_force_lock(p)
+    add_overrides(p, note="NEW's ", trailing=True)
+    p.set_defaults(func=run)
 
 
 def start_fork(source: str, new: str, at: str, overrides: list, root: str | None,
@@ -28,9 +26,9 @@ def start_fork(source: str, new: str, at: str, overrides: list, root: str | None
     """Run the rl-train flow that makes NEW a fork of SOURCE at AT and trains it; exit code."""
     import argparse
 
-    from flows.cmd_train import _run_flow
+    from flows.cli.train import _run_flow
     from flows.fork import ForkRefused, parse_at
-    from flows.inspect_lib import find_experiment
+    from flows.read.inspect_lib import find_experiment
     from storage.artifacts import read_run_json
     from storage.layout import RunLayout
 

@@ -1,25 +1,25 @@
-"""The `stagerl` command line. Each subcommand lives in its own flows/cmd_*.py module with
+"""The `stagerl` command line. Each subcommand lives in its own module of this package with
 `register(subparsers)`; that function adds a parser and sets `func(args) -> int` as its default.
-Modules import heavy libraries (torch, transformers, prefect) inside their functions, so
-`stagerl plan` answers without loading a model framework."""
+The options several commands share are added by flows/cli/args.py. Modules import heavy
+libraries (torch, transformers, prefect) inside their functions, so `stagerl plan` answers
+without loading a model framework."""
 import argparse
 import importlib
-import sys
 
 COMMAND_MODULES = [
-    "flows.cmd_plan",
-    "flows.cmd_model",
-    "flows.cmd_data",
-    "flows.cmd_runs",
-    "flows.cmd_inspect",
-    "flows.cmd_query",
-    "flows.cmd_plot",
-    "flows.cmd_stats",
-    "flows.cmd_train",
-    "flows.cmd_verify",
-    "flows.cmd_fork",
-    "flows.cmd_rescore",
-    "flows.cmd_delete",
+    "flows.cli.plan",
+    "flows.cli.model",
+    "flows.cli.data",
+    "flows.cli.runs",
+    "flows.cli.inspect",
+    "flows.cli.query",
+    "flows.cli.plot",
+    "flows.cli.stats",
+    "flows.cli.train",
+    "flows.cli.verify",
+    "flows.cli.fork",
+    "flows.cli.rescore",
+    "flows.cli.delete",
 ]
 
 
@@ -43,6 +43,3 @@ def main(argv=None) -> int:
         args.overrides = list(args.overrides or []) + extra
     return int(args.func(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,19 +2,18 @@
 distribution (p50/p90/p95/p99/max) of the dataset's prompts after the chat template (tokenizer
 from actor_rollout_ref.model.path) and of a run's responses, with recommended
 data.max_prompt_length, data.max_response_length and token budgets, and the reasoning."""
-from flows.inspect_lib import guarded
+from flows.cli.args import add_json, add_overrides, add_run_arguments
+from flows.read.inspect_lib import guarded
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("stats", help="prompt/response token-length distribution and "
                                             "recommended max lengths and token budgets")
     p.add_argument("dataset", help="a verl-format parquet file (prompt = chat messages)")
-    p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    p.add_argument("--config", default="tiny-cpu", help="config name or YAML file")
+    add_overrides(p)
     p.add_argument("--run", default=None, help="experiment whose responses to measure")
-    p.add_argument("--project", default=None, help="trainer.project_name of --run")
-    p.add_argument("--root", default=None, help="store root of --run (default: the config's)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_run_arguments(p, experiment=False)  # --project, --root, --config: of --run
+    add_json(p)
     p.set_defaults(func=run)
 
 
@@ -23,8 +22,8 @@ def run(args) -> int:
     import json
     import os
 
-    from flows.inspect_lib import load_cli_config, open_view
-    from flows.length_stats import distribution, prompt_lengths, recommend, run_lengths
+    from flows.read.inspect_lib import load_cli_config, open_view
+    from flows.read.length_stats import distribution, prompt_lengths, recommend, run_lengths
     from stages.model.models import load_tokenizer
 
     cfg = load_cli_config(args, args.overrides)

@@ -2,7 +2,8 @@
 status, timings, reward, lengths, KL, entropy, losses, per-rank balance, best/worst samples).
 `stagerl show EXPERIMENT --step K --uid U [--sample I]`: one sample across the five stages, token
 by token. Both read a local store or S3; a missing run or an incomplete step exits with code 2."""
-from flows.inspect_lib import add_run_arguments, guarded
+from flows.cli.args import add_json, add_run_arguments
+from flows.read.inspect_lib import guarded
 
 STAGE_CHOICES = ("rollout", "logprob", "reward", "advantage", "update")
 
@@ -14,7 +15,7 @@ def register(subparsers) -> None:
     p.add_argument("--step", type=int, default=None, help="one step in detail")
     p.add_argument("--stage", choices=STAGE_CHOICES, default=None, help="only this stage")
     p.add_argument("--samples", type=int, default=2, help="best/worst samples shown (default 2)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_json(p)
     p.set_defaults(func=run_inspect)
 
     s = subparsers.add_parser("show", help="one sample joined across all stages, per token")
@@ -23,7 +24,7 @@ def register(subparsers) -> None:
     s.add_argument("--uid", required=True, help="prompt uid (rollout.parquet uid)")
     s.add_argument("--sample", type=int, default=0, help="sample_index within the uid (default 0)")
     s.add_argument("--ids", action="store_true", help="token ids only (do not load the tokenizer)")
-    s.add_argument("--json", action="store_true", help="print JSON")
+    add_json(s)
     s.set_defaults(func=run_show)
 
 
@@ -48,7 +49,7 @@ def _clip(text, width=70) -> str:
 def run_inspect(args) -> int:
     import json
 
-    from flows.inspect_lib import overview_row, step_summary, open_view
+    from flows.read.inspect_lib import open_view, overview_row, step_summary
 
     view = open_view(args)
     if args.step is None:
@@ -138,7 +139,7 @@ def print_stage(name: str, sec: dict) -> None:
 def run_show(args) -> int:
     import json
 
-    from flows.inspect_lib import load_tokenizer_for, open_view, sample_view
+    from flows.read.inspect_lib import load_tokenizer_for, open_view, sample_view
 
     view = open_view(args)
     view.require(args.step, ["rollout"])

@@ -5,7 +5,8 @@ EXP's config), and print how the new scores agree with the stored ones: per data
 both means and the rows whose score changed (raised, lowered), then examples of each kind.
 Nothing is written. With `--as NEW` the new reward then trains: NEW is a fork of EXP at A:reward
 with custom_reward_function set to FILE:FN (`stagerl fork`)."""
-from flows.inspect_lib import guarded
+from flows.cli.args import add_experiment, add_json, add_overrides, add_root
+from flows.read.inspect_lib import guarded
 
 KINDS = ("raised", "lowered", "unchanged")
 TOLERANCE = 1e-9  # a score that moved less than this counts as unchanged
@@ -14,7 +15,7 @@ TOLERANCE = 1e-9  # a score that moved less than this counts as unchanged
 def register(subparsers) -> None:
     p = subparsers.add_parser("rescore", help="score stored rollouts with another reward function "
                                               "and compare (--as NEW: train a fork with it)")
-    p.add_argument("experiment", help="EXPERIMENT or PROJECT/EXPERIMENT in the store")
+    add_experiment(p)
     p.add_argument("--steps", required=True, metavar="A..B", help="steps to rescore, e.g. 1..2 or 3")
     p.add_argument("--reward", required=True, metavar="FILE[:FN]",
                    help="Python file with the reward function (verl's custom_reward_function: "
@@ -23,12 +24,10 @@ def register(subparsers) -> None:
     p.add_argument("--as", dest="as_new", default=None, metavar="NEW",
                    help="then train NEW: a fork of EXPERIMENT at A:reward with this reward")
     p.add_argument("--examples", type=int, default=2, help="examples shown of each kind (default 2)")
-    p.add_argument("--root", default=None,
-                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
-                        "or ./runs)")
-    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    p.add_argument("overrides", nargs="*", help="with --as: further overrides for NEW")
-    p.set_defaults(func=run, trailing_overrides=True)
+    add_root(p)
+    add_json(p, "the comparison")
+    add_overrides(p, note="with --as, NEW's further ", trailing=True)
+    p.set_defaults(func=run)
 
 
 def parse_steps(text: str) -> list[int]:
@@ -126,7 +125,7 @@ def print_agreement(name: str, steps: list, spec: dict, result: dict) -> None:
 def run(args) -> int:
     import json
 
-    from flows.inspect_lib import find_experiment
+    from flows.read.inspect_lib import find_experiment
     from storage.run_view import RunView
 
     steps, spec = parse_steps(args.steps), parse_reward(args.reward)
@@ -140,7 +139,7 @@ def run(args) -> int:
         print_agreement(view.name, steps, spec, result)
     if not args.as_new:
         return 0
-    from flows.cmd_fork import start_fork
+    from flows.cli.fork import start_fork
 
     overrides = [f"custom_reward_function.path={spec['path']}",
                  f"custom_reward_function.name={spec['name']}", *args.overrides]

@@ -7,29 +7,24 @@ analytics off) that stops when the command ends and also when it is killed (flow
 PR_SET_PDEATHSIG), so training works offline and leaves no server behind."""
 import contextlib
 import importlib
-import json
 import os
 from pathlib import Path
+
+from flows.cli.args import add_config, add_experiment, add_force_lock, add_overrides, add_root
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train (or continue) an experiment as a Prefect flow")
-    p.add_argument("--config", default="base",
-                   help="config name in configs/ or a YAML path (default: base = verl's defaults, so a "
-                        "verl command line means what it means in verl; the CPU demo is tiny-cpu)")
+    add_config(p, "base")
     p.add_argument("--experiment", default=None, help="trainer.experiment_name (run folder name)")
-    p.add_argument("--force-lock", action="store_true",
-                   help="break the experiment lock held by another writer")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=8")
+    add_force_lock(p)
+    add_overrides(p)
     p.set_defaults(func=run_train)
 
     r = subparsers.add_parser("resume", help="continue an experiment at its first incomplete stage")
-    r.add_argument("experiment", help="EXPERIMENT or PROJECT/EXPERIMENT in the store")
-    r.add_argument("--root", default=None,
-                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
-                        "or ./runs)")
-    r.add_argument("--force-lock", action="store_true",
-                   help="break the experiment lock held by another writer")
+    add_experiment(r)
+    add_root(r)
+    add_force_lock(r)
     r.add_argument("--no-verify", action="store_true",
                    help="continue without first checking the stored files against their checksums")
     r.set_defaults(func=run_resume)
@@ -143,17 +138,17 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
 
 def _train_on_server(cfg: dict, config: str, overrides: list, experiment, force_lock: bool, fork) -> int:
     prefect_env(cfg["storage"]["root"])
-    from storage.secrets import SECRET_OVERRIDES_ENV, split_secret_overrides
+    from storage.secrets import held_secret_overrides, split_secret_overrides
 
-    overrides, secret = split_secret_overrides(overrides)  # credentials stay out of Prefect's database
-    if secret:
-        os.environ[SECRET_OVERRIDES_ENV] = json.dumps(secret)  # read by flows.train.train
-    with local_prefect_server(resume_command(cfg)) as server:
+    overrides, secret = split_secret_overrides(overrides)  # credentials stay out of Prefect's database:
+    with local_prefect_server(resume_command(cfg)) as server, \
+            held_secret_overrides(secret) as token:  # the flow gets a token that stands for them
         from flows.train import train
 
         try:
             state = train(config=config, overrides=list(overrides), experiment_name=experiment,
-                          force_lock=force_lock, return_state=True, **({"fork": fork} if fork else {}))
+                          force_lock=force_lock, return_state=True, **({"fork": fork} if fork else {}),
+                          **({"secret_overrides": token} if token else {}))
         except KeyboardInterrupt:
             if server is None or server.died is None:
                 raise
@@ -231,7 +226,7 @@ def resume_arguments(doc: dict, root: str | None) -> tuple[str, list, str]:
 
 
 def run_resume(args) -> int:
-    from flows.inspect_lib import find_experiment_or_say
+    from flows.read.inspect_lib import find_experiment_or_say
     from storage.artifacts import read_run_json
     from storage.layout import RunLayout
 
@@ -241,7 +236,7 @@ def run_resume(args) -> int:
     store, root, project, experiment = found
     doc = read_run_json(store, RunLayout(project, experiment))
     if not args.no_verify:  # a damaged file of a complete stage would otherwise go unnoticed
-        from flows.cmd_verify import check_run
+        from flows.cli.verify import check_run
 
         if not check_run(store, project, experiment, root):
             print("error: not resuming a run with damaged files (--no-verify to resume anyway)")

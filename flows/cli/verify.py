@@ -2,15 +2,14 @@
 (stage files, weights, critic and train-state folders) against its manifest (storage.verify).
 Exit 0 when all match, 1 when something is damaged. `--repair` un-commits the damaged stages so
 that `stagerl resume` computes them again. `stagerl resume` runs the check first."""
+from flows.cli.args import add_experiment, add_root
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("verify", help="check a run's stored files against their manifests' "
                                              "checksums (--repair: un-commit the damaged ones)")
-    p.add_argument("experiment", help="EXPERIMENT or PROJECT/EXPERIMENT in the store")
-    p.add_argument("--root", default=None,
-                   help="store root: a local path or s3://bucket/prefix (default: $STAGERL_ROOT "
-                        "or ./runs)")
+    add_experiment(p)
+    add_root(p)
     p.add_argument("--repair", action="store_true",
                    help="un-commit each damaged stage (and folder) so `stagerl resume` recomputes it")
     p.set_defaults(func=run)
@@ -34,7 +33,7 @@ def check_run(store, project: str, experiment: str, root: str) -> bool:
 
 
 def run(args) -> int:
-    from flows.inspect_lib import find_experiment_or_say
+    from flows.read.inspect_lib import find_experiment_or_say
     from storage.layout import RunLayout
     from storage.verify import repair, verify_run
 

@@ -1,0 +1,6 @@
+"""`python -m flows.cli ...`: the `stagerl` command."""
+import sys
+
+from flows.cli import main
+
+sys.exit(main())
