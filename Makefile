@@ -73,6 +73,7 @@ $(PEER_STAMP):
 bench-scale: install
 	$(PY) bench/checkpointing.py --threads 2
 	$(PY) bench/scale.py --threads 2
+	$(PY) bench/handoff.py --threads 2
 
 bench-peer: install $(PEER_STAMP)
 	$(PY) bench/peer_trl.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)

@@ -56,6 +56,8 @@ def run(ctx) -> dict:
     roles = ["actor"] + (["critic"] if ctx.plan.get("critic") else [])
     work = scratch_dir("update", f"{ctx.step:06d}-")
     handoff = _plan_handoff(ctx, world)
+    if handoff is not None and ctx.session is not None:
+        ctx.session.wait_commits()  # a previous version's writer never reads tensors being replaced
     try:
         ctx.extra["update_work_dir"] = str(work)
         ctx.extra["handoff"] = handoff

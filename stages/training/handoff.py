@@ -54,8 +54,9 @@ def mode(ctx, world: int) -> str | None:
     """How step ctx.step's update hands its weights over: "memory", "folder" or None (export)."""
     session = getattr(ctx, "session", None)
     if (session is None or not ctx.get("orchestration.background_commit", True)
-            or int(ctx.get("actor_rollout_ref.model.lora_rank") or 0) > 0 or ctx.extra.get("no_handoff")):
-        return None
+            or int(ctx.get("actor_rollout_ref.model.lora_rank") or 0) > 0 or ctx.extra.get("no_handoff")
+            or int(ctx.get("trainer.nnodes") or 1) > 1 or ctx.get("trainer.hostfile")):
+        return None  # no run session, adapters to merge, or ranks on other hosts: the export
     engines = session.engines() if not session.closed else None
     if engines is None:
         return None
