@@ -34,6 +34,17 @@ def named_paths(cfg: dict) -> list[tuple[str, str, str]]:
     return [(k, str(v), kind) for k, v, kind in out if v is not None and "://" not in str(v)]
 
 
+def _not_parquet(path: Path) -> str | None:
+    """None when the file has parquet's footer and schema; else why not (pyarrow reads the footer only)."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_schema(path)
+    except Exception as exc:  # noqa: BLE001 - ArrowInvalid and friends: the message says it
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
 def check_local_paths(cfg: dict) -> None:
     """Raise ConfigError naming every path of named_paths that is missing."""
     cwd = os.getcwd()
@@ -41,6 +52,12 @@ def check_local_paths(cfg: dict) -> None:
     for key, value, kind in named_paths(cfg):
         path = Path(os.path.expanduser(value))
         found = path.is_dir() if kind == "folder" else path.is_file()
+        if found and key in ("data.train_files", "data.val_files"):
+            problem = _not_parquet(path)
+            if problem:
+                problems.append(f"{key}: {value} is not a parquet file ({problem}); datasets are parquet "
+                                f"in verl's RL schema (`stagerl data` makes them)")
+            continue
         if not found:
             where = path if path.is_absolute() else Path(cwd) / path
             problems.append(f"{key}: {value} is not a {kind} (looked for {where.resolve()}"

@@ -25,6 +25,7 @@ STAGE_FILES = {
     "warmstart": ("warmstart/metrics.json",),
 }
 LOCK_NAME = "_lock.json"
+MAX_NAME = 128  # characters of a project or experiment name (file systems allow 255 per name)
 WEIGHTS_MANIFEST = "_manifest.json"
 _STEP_RE = re.compile(r"^\d{6,}$")
 _WEIGHTS_RE = re.compile(r"^step_(\d{6,})$")
@@ -47,6 +48,9 @@ def check_name(name, what: str = "name") -> str:
         raise InvalidName(f"invalid {what} {name!r}: must not contain '..'")
     if name.strip() != name or name == ".":
         raise InvalidName(f"invalid {what} {name!r}: no leading/trailing spaces, not '.'")
+    if len(name) > MAX_NAME:
+        raise InvalidName(f"invalid {what} {name[:40]!r}... ({len(name)} characters): at most {MAX_NAME} "
+                          f"(a folder name in the store)")
     return name
 
 

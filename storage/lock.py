@@ -1,7 +1,9 @@
 """One writer per experiment: a lock object `{project}/{experiment}/_lock.json` in the store.
 
 A second writer is refused with the holder's host, pid and time; a lock older than
-`lock_stale_seconds` (since its last refresh) is taken over; `force=True` breaks it.
+`lock_stale_seconds` (since its last refresh) is taken over, unless its holder is a live process
+on this host (a run whose refresh is late is never displaced, whatever lock_stale_seconds says);
+`force=True` breaks it.
 Object stores have no compare-and-swap here, so acquisition writes a unique token and reads it
 back: of two racing writers at most one sees its own token."""
 import datetime
@@ -45,6 +47,12 @@ class ExperimentLock:
         current = self.holder()
         if current and current.get("token") != self.token and not self.force:
             age = time.time() - float(current.get("time", 0))
+            if _live_local(current):
+                raise LockedError(
+                    f"experiment {self.layout.base} is locked by pid {current.get('pid')} on this host "
+                    f"({current.get('host')}), which is running (last refresh {age:.0f}s ago): a live "
+                    f"holder is never taken over. Wait for it to finish, or break the lock with "
+                    f"--force-lock (lock object: {self.store.url(self.key)})")
             if age < self.store.lock_stale_seconds:
                 raise LockedError(
                     f"experiment {self.layout.base} is locked by host {current.get('host')} "
@@ -81,6 +89,21 @@ class ExperimentLock:
     def __exit__(self, *exc):
         self.release()
         return False
+
+
+def _live_local(record: dict) -> bool:
+    """The lock record's holder is a live process on this host (not this process: a record with
+    our own pid is from an earlier run in a reused process)."""
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _iso(t: float) -> str:

@@ -10,7 +10,11 @@ and `experiment`, the run's name: over several runs (branches of a fork) they jo
     baseline                              ReMax's greedy answers, one per prompt (rollout/baseline.parquet)
                                           with score and acc (reward/baseline.parquet; null until scored)
 Only stages with a manifest count (read through storage.artifacts, checksums verified). The
-tables are registered as Arrow tables, so a local store and S3 behave the same.
+tables are registered as Arrow tables, so a local store and S3 behave the same, and the
+connection is read-only over them: no file system, network or extension access (DuckDB's
+enable_external_access off, the configuration locked) and only SELECT statements, so a query
+can neither read nor write anything of the host (`COPY ... TO`, `read_text`, `glob`, `ATTACH`
+and `CREATE` are refused naming the statement).
 
     con = connect(view);  con.sql("SELECT step, avg(score) FROM reward GROUP BY step")
     con = connect([a, b]);  con.sql("SELECT experiment, step, avg(score) FROM reward GROUP BY ALL")
@@ -122,7 +126,8 @@ def connect(views, tables=TABLES):
     import duckdb
 
     views = views if isinstance(views, (list, tuple)) else [views]
-    con = duckdb.connect(":memory:")
+    con = duckdb.connect(":memory:", config={"enable_external_access": False, "autoinstall_known_extensions": False,
+                                             "autoload_known_extensions": False, "lock_configuration": True})
     for name in tables:
         parts = [stage_table(view, name) for view in views]
         con.register(name, parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="permissive"))
@@ -137,10 +142,23 @@ def tables_in(sql: str) -> list:
     return [t for t in TABLES if t in words]
 
 
+class ReadOnlyQuery(ValueError):
+    """A statement other than SELECT in `stagerl query`."""
+
+
 def run_query(views, sql: str):
-    """(column names, rows as tuples) of `sql` over the run (or the list of runs)."""
+    """(column names, rows as tuples) of `sql` over the run (or the list of runs); SELECT only."""
+    import duckdb
+
     con = connect(views, tables_in(sql) or TABLES)
     try:
+        statements = con.extract_statements(sql)
+        for statement in statements:
+            if statement.type != duckdb.StatementType.SELECT:
+                raise ReadOnlyQuery(f"only SELECT statements read a run: {statement.type.name} refused "
+                                    f"({statement.query.strip()[:80]!r})")
+        if len(statements) != 1:
+            raise ReadOnlyQuery(f"one SELECT statement per query ({len(statements)} given)")
         result = con.execute(sql)
         columns = [d[0] for d in result.description or []]
         return columns, result.fetchall()

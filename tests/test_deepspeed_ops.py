@@ -27,3 +27,54 @@ def test_run_time_uses_the_prebuilt_op_folder_unless_told_otherwise():
                                    cwd=DEFAULT_DIR.parent.parent, check=True).stdout.strip()
     assert run(env) == str(DEFAULT_DIR)
     assert run({**env, "TORCH_EXTENSIONS_DIR": "/tmp/elsewhere"}) == "/tmp/elsewhere"
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_build_waited_for(tmp_path, monkeypatch):
+    """The reliability probe's hang: `touch .../deepspeed_shm_comm/lock` made every later update
+    wait forever. Now: a lock no live process builds under is removed after the grace; while a
+    process works in the build folder (a build) it is kept."""
+    import threading
+    import time
+
+    from stages.ranks.deepspeed_ops import clear_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = tmp_path / "deepspeed_shm_comm"
+    build.mkdir()
+    (build / "lock").touch()
+    t0 = time.time()
+    assert clear_stale_build_locks(grace_s=1.0) == [build / "lock"]
+    assert not (build / "lock").exists() and time.time() - t0 < 10
+    (build / "lock").touch()
+    ninja = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=build)
+    try:
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(clear_stale_build_locks(grace_s=1.0)))
+        waiter.start()
+        time.sleep(3)
+        assert (build / "lock").exists() and not done  # a live build: waited for
+    finally:
+        ninja.kill()
+        ninja.wait()
+    waiter.join(timeout=20)
+    assert done == [[build / "lock"]]
+
+
+def test_a_planted_build_lock_does_not_hang_the_update_set_up():
+    """A lock planted in `make install`'s prebuilt op folder (as an interrupted build leaves it):
+    building an update's DeepSpeed engine (which loads the comm op) finishes and the lock is gone.
+    Before, the load waited for the lock forever."""
+    lock = DEFAULT_DIR / "deepspeed_shm_comm" / "lock"
+    code = ("import torch; from stages.ranks.launch import init_distributed; "
+            "from stages.training.engine import make_engine; init_distributed('cpu'); "
+            "make_engine(torch.nn.Linear(2, 2), {'lr': 1e-3}, {'train_micro_batch_size_per_gpu': 1, "
+            "'gradient_accumulation_steps': 1, 'zero_optimization': {'stage': 2}, "
+            "'zero_allow_untested_optimizer': True}); print('ready')")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(DEFAULT_DIR)}
+    lock.touch()
+    try:
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=180, cwd=DEFAULT_DIR.parent.parent)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert run.returncode == 0 and "ready" in run.stdout, run.stderr[-2000:]

@@ -100,6 +100,16 @@ def test_cli_refuses_a_bad_plan_and_an_unknown_experiment(tmp_path):
     assert bad.returncode == 2 and "must be >= actor.ppo_mini_batch_size (15)" in bad.stdout
     assert "data.train_batch_size=15" in bad.stdout  # a value that works is suggested
     assert not (tmp_path / "stagerl").exists()  # refused before anything was written
+    (tmp_path / "notes.txt").write_text("question,answer\n1+1,2\n")
+    text = cli("train", "--config", "tiny-cpu", f"data.train_files={tmp_path}/notes.txt", f"storage.root={tmp_path}")
+    assert text.returncode == 2, text.stdout[-2000:] + text.stderr[-2000:]
+    assert f"data.train_files: {tmp_path}/notes.txt is not a parquet file (ArrowInvalid" in text.stdout
+    assert not (tmp_path / "stagerl").exists() and "Traceback" not in text.stdout + text.stderr
+    for name, why in (("a/b", "must not contain a slash"), ("x" * 300, "(300 characters): at most 128")):
+        named = cli("train", "--config", "tiny-cpu", "--experiment", name, f"storage.root={tmp_path}")
+        assert named.returncode == 2 and "error: invalid experiment name" in named.stdout, named.stdout[-2000:]
+        assert why in named.stdout and "Prefect" not in named.stdout + named.stderr
+        assert not (tmp_path / "stagerl").exists()
     sp = cli("train", "--config", "tiny-cpu", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
              "actor_rollout_ref.model.use_remove_padding=true", f"storage.root={tmp_path}")
     assert sp.returncode == 2 and ("error: actor_rollout_ref.actor.ulysses_sequence_parallel_size=2: "

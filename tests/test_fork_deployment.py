@@ -60,11 +60,12 @@ def test_fork_as_a_deployment_run(deployed, src, capsys):
                        "-p", 'fork={"source": "src", "at": "3:advantage"}', "-p", "experiment_name=src-rloo",
                        "-p", f"overrides={json.dumps(fork_overrides)}", "--watch", "--watch-interval", "2",
                        "--watch-timeout", "480", cwd=REPO, timeout=540, check=False)
+    full_log = "\n".join(w.log.read_text(errors="replace") for w in deployed.workers)
     worker_log = "\n".join(w.log.read_text(errors="replace")[-6000:] for w in deployed.workers)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:] + worker_log
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", run.stdout).group(1)
     assert wait_for_state(deployed, flow_run_id, "COMPLETED", timeout=30)["state"]["type"] == "COMPLETED"
-    assert "fork stagerl/src-rloo of stagerl/src at 3:advantage: 13 stage(s)" in worker_log
+    assert "fork stagerl/src-rloo of stagerl/src at 3:advantage: 13 stage(s)" in full_log
 
     store, new, old = Store.from_config({"root": str(src)}), RunLayout(PROJECT, "src-rloo"), RunLayout(PROJECT, "src")
     doc = read_run_json(store, new)

@@ -114,6 +114,17 @@ def test_missing_experiment_and_incomplete_step_exit_2(run, capsys):
     assert code == 2 and "no uid 'zz'" in err and "p0, p1" in err
     code, _, err = cli(capsys, "query", "SELECT 1", "--experiment", "nope", "--root", str(run))
     assert code == 2 and "does not exist" in err
+    escapes = {f"COPY (SELECT 1) TO '{run}/x.csv'": "COPY refused",  # the reliability probe's four
+               "SELECT * FROM read_text('/etc/hostname')": 'Cannot access file "/etc/hostname"',
+               "SELECT * FROM glob('/etc/*')": 'Cannot access file "/etc/*"',
+               f"ATTACH '{run}/x.db' AS x": "ATTACH refused",
+               "CREATE TABLE t AS SELECT 1": "CREATE refused",
+               "SELECT count(*) FROM read_parquet('/etc/*.parquet')": "file system operations are disabled",
+               "SET enable_external_access = true": "SET refused"}
+    for sql, needle in escapes.items():
+        code, out, err = cli(capsys, "query", sql, "--experiment", "demo", "--root", str(run))
+        assert code == 2 and needle in err, (sql, err)
+    assert not (run / "x.csv").exists() and not (run / "x.db").exists()
     code, _, err = cli(capsys, "export", "demo", "--root", str(run), "--step", "3", "--out", "-")
     assert code == 2 and "no manifest yet for reward" in err
 

@@ -338,6 +338,27 @@ def test_lock(storage_cfg, layout):
         stale_taker.release()
 
 
+def test_a_live_local_holder_is_never_displaced(storage_cfg, layout):
+    """lock_stale_seconds=1 and a lock last refreshed an hour ago: held by a live process on this
+    host it is refused (naming it), held by a dead one it is taken over."""
+    import socket
+    import time
+
+    store = Store.from_config({**storage_cfg, "lock_stale_seconds": 1})
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"token": "other", "host": socket.gethostname(), "pid": live.pid, "time": time.time() - 3600}
+        store.write_json(layout.lock, record)
+        with pytest.raises(LockedError, match=rf"locked by pid {live.pid} on this host .* which is running"):
+            ExperimentLock(store, layout).acquire()
+    finally:
+        live.kill()
+        live.wait()
+    taker = ExperimentLock(store, layout).acquire()  # the same record, its process now gone
+    assert store.read_json(layout.lock)["token"] == taker.token
+    taker.release()
+
+
 
 def test_a_failing_lock_release_does_not_hide_the_runs_own_error(tmp_path):
     """flows.train.release_lock: while the run fails (its stage's error on its way), a lock that

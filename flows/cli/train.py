@@ -103,6 +103,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
     from configs.schema import ConfigError
     from configs.suggest import make_plan
     from stages.ranks.zygote import prestart
+    from storage.layout import InvalidName, RunLayout
 
     spawner = None
     try:
@@ -114,6 +115,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
                 whole = fork_arguments(config, overrides, fork)
             cfg = load_config(whole[0], list(whole[1]) + (
                 [f"trainer.experiment_name={experiment}"] if experiment else []))
+            RunLayout.from_config(cfg)  # the project and experiment names (InvalidName)
             spawner = prestart(cfg)  # the run's fork server imports torch while the rest starts
             plan = make_plan(cfg)
             check_trainable(cfg)
@@ -127,7 +129,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
                 store = Store.from_config(cfg["storage"])
                 if not preexisting_fork(store, cfg, fork):
                     check_fork(store, cfg, plan, fork)
-        except (ConfigError, LookupError) as exc:
+        except (ConfigError, LookupError, InvalidName) as exc:
             print(f"error: {exc}")
             return 2
         return _train_on_server(cfg, config, overrides, experiment, force_lock, fork)
