@@ -28,7 +28,7 @@ from stages.ranks.launch import forget_inherited_rank_env
 from stages.scratch import process_alive, remove_orphans
 from storage.secrets import scrub_override, take_secret_overrides
 from stages.session import RunSession
-from storage.artifacts import fingerprint, read_run_json, write_run_json
+from storage.artifacts import fingerprint, read_manifest, read_run_json, write_run_json
 from storage.layout import RunLayout
 from storage.lineage import delete_tree
 from storage.lock import ExperimentLock
@@ -159,7 +159,6 @@ def prune_weights(store: Store, layout: RunLayout, latest: int, cfg: dict) -> li
     """Delete the weights folders weights_to_delete names, counting step `latest` as done only
     once its update manifest is written: while the update still commits in the background, a kill
     leaves step `latest` to run again from the step before it, whose weights must still be there."""
-    from storage.artifacts import read_manifest
     from storage.weights import list_weights
 
     if read_manifest(store, layout, latest, "update") is None:
@@ -233,6 +232,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         dataset, total = load_schedule(cfg, store)
         print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
+        name_flow_run(store, layout, total, fork)
         before_first_step(run, cfg, plan, dataset, total, sinks)
         done, ran, last = run_steps(run, cfg, store, layout, dataset, total, sinks, lock)
         return finish_run(run, cfg, store, layout, total, done, ran, last)
@@ -244,13 +244,37 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         close_run(session, sinks, lock)
 
 
+def run_name(store: Store, layout: RunLayout, total: int, fork: dict | None = None) -> str:
+    """What a run is called in the Prefect UI: its experiment and the steps it runs
+    ("tour · steps 1-5"), "(resume)" when earlier steps are done, "(fork of SRC at STEP:STAGE)"."""
+    done = [k for k in range(1, total + 1) if read_manifest(store, layout, k, "update") is not None]
+    first = next((k for k in range(1, total + 1) if k not in done), None)
+    name = (f"{layout.experiment} · steps {first}-{total}" if first is not None
+            else f"{layout.experiment} · steps 1-{total} done")
+    if fork:
+        return f"{name} (fork of {fork['source']} at {fork['at']})"
+    return f"{name} (resume)" if done and first is not None else name
+
+
+def name_flow_run(store: Store, layout: RunLayout, total: int, fork: dict | None) -> None:
+    """Rename this flow run (Prefect gives it a random one) after run_name, so a list of runs
+    says which experiment and steps each was."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    name = run_name(store, layout, total, fork)
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, name=name)
+    except Exception as exc:  # noqa: BLE001 - a name is not worth failing a run for
+        logger().warning(f"could not name the flow run {name!r} ({type(exc).__name__}: {exc})")
+
+
 def keep_last_state(run: RunHandle, total: int) -> None:
     """A run that fails or is stopped before its last step stores the train state its ranks kept
     after its last committed update (stages/update.py::store_kept_state), so that its resume
     replays no update. Best effort: what cannot be stored is replayed by the resume."""
     from stages.update import store_kept_state
-    from storage.artifacts import read_manifest
-
     try:
         run.session.wait_commits()
     except Exception:  # noqa: BLE001 - an uncommitted update is run again by the resume

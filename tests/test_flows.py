@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -395,6 +396,12 @@ def test_kills_with_sparse_train_states_resume_by_replay_bit_for_bit(server, ass
         assert checksum(name) == checksum("ref"), fault
         verify = stagerl(server, ["verify", name, "--root", str(root)])
         assert verify.returncode == 0 and "all match their manifests" in verify.stdout, verify.stdout[-2000:]
+    # the flow runs are named after their experiment and steps in Prefect (its API, not a random name)
+    request = urllib.request.Request(f"{server.api_url}/flow_runs/filter", data=b'{"limit": 200}',
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    names = {r["name"] for r in json.loads(urllib.request.urlopen(request, timeout=30).read())}
+    assert {"ref · steps 1-3", "upd · steps 1-3", "upd · steps 3-3 (resume)", "roll · steps 3-3 (resume)",
+            "persist · steps 3-3 (resume)"} <= names, sorted(names)
 
 
 def test_a_killed_prefect_server_stops_the_run_and_resume_completes(assets, tmp_path, reference_checksum):
