@@ -259,6 +259,29 @@ def test_rescore_counts_the_rows_whose_score_changed(src, capsys):
     assert code == 2 and "need 1 <= A <= B" in err
 
 
+def test_rescore_with_a_failing_reward_ends_bounded_and_non_zero(src, tmp_path, capsys):
+    """The reliability probe's rescore findings: a reward function that hangs, raises, returns NaN
+    or a string used to run for minutes or exit 0 with every row errored. Now: progress on stderr,
+    --timeout per row, and exit 1 naming the error kinds and counts."""
+    import time
+
+    bad = tmp_path / "bad_rewards.py"
+    bad.write_text("import time\n"
+                   "def hang(data_source, solution_str, ground_truth, extra_info=None):\n    time.sleep(60)\n"
+                   "def boom(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError('no')\n"
+                   "def nan(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
+                   "def text(data_source, solution_str, ground_truth, extra_info=None):\n    return 'x'\n")
+    for fn, kind in (("boom", "raised 8"), ("nan", "bad return value 8"), ("text", "bad return value 8")):
+        code, out, err = cli(capsys, "rescore", "src", "--steps", "1..1", "--reward", f"{bad}:{fn}", "--root", src)
+        assert code == 1, (fn, err)
+        assert f"8 of the 8 rows scored so far errored ({kind})" in err and "rescore: step 1, 8/8 rows" in err
+    t0 = time.monotonic()
+    code, out, err = cli(capsys, "rescore", "src", "--steps", "1..2", "--reward", f"{bad}:hang", "--root", src,
+                         "--timeout", "0.5")
+    assert code == 1 and "errored (timeout 8)" in err, err
+    assert time.monotonic() - t0 < 60  # 8 rows, 2 workers, 0.5 s each: bounded, not 60 s a row
+
+
 def test_query_plot_and_runs_over_branches(src, forked, capsys):
     """One SQL statement over src and its fork (the experiment column), the curves of both in one
     PNG, and the lineage in `stagerl runs`."""

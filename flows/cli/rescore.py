@@ -3,8 +3,12 @@ stored rollouts of steps A..B with another reward function, in the reward stage'
 processes with its per-sample timeout (reward.num_workers, reward.timeout_s, reward.strict of
 EXP's config), and print how the new scores agree with the stored ones: per data source the rows,
 both means and the rows whose score changed (raised, lowered), then examples of each kind.
-Nothing is written. With `--as NEW` the new reward then trains: NEW is a fork of EXP at A:reward
+Progress goes to stderr; a function that fails on more than --max-error-share of the rows (raising,
+timing out after --timeout s, returning no number) or a rescore past --max-seconds stops with exit 1,
+naming the error kinds and counts. Nothing is written. With `--as NEW` the new reward then trains: NEW is a fork of EXP at A:reward
 with custom_reward_function set to FILE:FN (`stagerl fork`)."""
+import sys
+
 from flows.cli.args import add_experiment, add_json, add_overrides, add_root
 from flows.read.inspect_lib import guarded
 
@@ -24,6 +28,13 @@ def register(subparsers) -> None:
     p.add_argument("--as", dest="as_new", default=None, metavar="NEW",
                    help="then train NEW: a fork of EXPERIMENT at A:reward with this reward")
     p.add_argument("--examples", type=int, default=2, help="examples shown of each kind (default 2)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="seconds per row before it scores 0 as a timeout (default: the run's reward.timeout_s)")
+    p.add_argument("--max-seconds", type=float, default=600.0, metavar="S",
+                   help="stop (exit 1) when scoring takes longer than this in all (default 600)")
+    p.add_argument("--max-error-share", type=float, default=0.5, metavar="F",
+                   help="stop (exit 1) once more than this share of the rows scored so far errored "
+                        "(raised, timed out, returned no number; default 0.5)")
     add_root(p)
     add_json(p, "the comparison")
     add_overrides(p, note="with --as, NEW's further ", trailing=True)
@@ -54,21 +65,62 @@ def parse_reward(text: str) -> dict:
     return {"path": full, "name": name, "reward_kwargs": {}}
 
 
-def rescore(view, steps: list, spec: dict) -> list[dict]:
+class RescoreFailed(RuntimeError):
+    """The new reward function failed on too many rows, or scoring ran past --max-seconds."""
+
+
+CHUNK = 64  # rows scored between two progress lines and checks
+
+
+def error_kinds(errors: list) -> dict:
+    """{kind: count} of scorer errors: timeout, raised, bad return value, worker died."""
+    kinds: dict = {}
+    for e in errors:
+        kind = ("timeout" if e.startswith("timeout") else "bad return value" if e.startswith("reward function returned")
+                else "worker died" if "died" in e else "raised")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def rescore(view, steps: list, spec: dict, timeout: float | None = None, max_seconds: float | None = None,
+            max_error_share: float = 1.0, progress=None) -> list[dict]:
     """One record per stored row of `steps`: step, row, uid, sample_index, data_source, response,
-    old and new score, the new function's error (if any) and the kind of change."""
+    old and new score, the new function's error (if any) and the kind of change. Rows are scored
+    in chunks, `progress(text)` told after each; RescoreFailed (naming the error kinds and counts)
+    once more than `max_error_share` of the rows scored so far errored, or past `max_seconds`."""
+    import time
+
     from stages.reward import scoring_rows
     from stages.scoring.pool import ScorerPool
 
     get = view.config_value
     key = get("data.reward_fn_key", "data_source") or "data_source"
-    workers, timeout = int(get("reward.num_workers", 2)), float(get("reward.timeout_s", 10.0))
-    records = []
+    workers = int(get("reward.num_workers", 2))
+    timeout = float(timeout if timeout is not None else get("reward.timeout_s", 10.0))
+    records, errors, t0 = [], [], time.monotonic()
+    total = 0
     with ScorerPool(spec, workers, timeout) as pool:  # the reward stage's processes and timeout
         for step in steps:
             view.require(step, ["rollout", "reward"])
             rollout, reward = view.table(step, "rollout"), view.table(step, "reward")
-            results, _ = pool.score(scoring_rows(rollout, key), strict=bool(get("reward.strict", False)))
+            rows = scoring_rows(rollout, key)
+            results = []
+            for start in range(0, len(rows), CHUNK):
+                part, _ = pool.score(rows[start:start + CHUNK], strict=bool(get("reward.strict", False)))
+                results += part
+                total += len(part)
+                errors += [r["error"] for r in part if r.get("error")]
+                elapsed = time.monotonic() - t0
+                if progress is not None:
+                    progress(f"rescore: step {step}, {len(results)}/{len(rows)} rows, {len(errors)} errors, "
+                             f"{elapsed:.1f}s")
+                kinds = ", ".join(f"{k} {n}" for k, n in error_kinds(errors).items())
+                if len(errors) > max_error_share * total:
+                    raise RescoreFailed(f"{len(errors)} of the {total} rows scored so far errored ({kinds}); "
+                                        f"first: {errors[0]}")
+                if max_seconds is not None and elapsed > max_seconds and start + CHUNK < len(rows):
+                    raise RescoreFailed(f"scoring ran past --max-seconds {max_seconds:g} ({total} rows "
+                                        f"scored, {len(errors)} errored{': ' + kinds if kinds else ''})")
             old = reward.column("score").to_pylist()
             rm = (reward.column("rm_score").to_pylist() if "rm_score" in reward.schema.names
                   else [None] * len(old))  # a reward model's part stays, as in the reward stage
@@ -131,7 +183,14 @@ def run(args) -> int:
     steps, spec = parse_steps(args.steps), parse_reward(args.reward)
     store, root, project, experiment = find_experiment(args)
     view = RunView.open(store, project, experiment)
-    result = agreement(rescore(view, steps, spec), args.examples)
+    say = lambda text: print(text, file=sys.stderr, flush=True)
+    try:
+        records = rescore(view, steps, spec, timeout=args.timeout, max_seconds=args.max_seconds,
+                          max_error_share=args.max_error_share, progress=say)
+    except RescoreFailed as exc:
+        print(f"error: rescore of {view.name} stopped: {exc}", file=sys.stderr)
+        return 1
+    result = agreement(records, args.examples)
     if args.json:
         print(json.dumps({"experiment": view.name, "steps": steps, "reward": spec, **result},
                          indent=2, default=str))
