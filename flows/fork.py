@@ -197,7 +197,7 @@ def _folders(store, src: RunLayout, new: RunLayout, step: int, stage: str, plan:
 def lock_run(store, layout: RunLayout, force: bool):
     """The experiment lock of a run whose objects a fork records (or `stagerl delete` removes);
     a lock left by a dead process on this host is taken over."""
-    from stages.scratch import process_alive
+    from storage.lock import process_alive
     from storage.lock import ExperimentLock, LockedError
 
     lock = ExperimentLock(store, layout, force=force, owner="fork")

@@ -25,13 +25,13 @@ from configs.plan import check_trainable
 from flows.metric_sinks import MetricSinks, check_sinks
 from flows.step_report import step_metrics
 from stages.ranks.launch import forget_inherited_rank_env
-from stages.scratch import process_alive, remove_orphans
+from stages.scratch import remove_orphans
 from storage.secrets import scrub_override, take_secret_overrides
 from stages.session import RunSession
 from storage.artifacts import fingerprint, read_manifest, read_run_json, write_run_json
 from storage.layout import RunLayout
 from storage.lineage import delete_tree
-from storage.lock import ExperimentLock
+from storage.lock import ExperimentLock, process_alive
 from storage.store import Store
 
 class RunConfigChanged(RuntimeError):

@@ -11,6 +11,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from storage.lock import process_alive
+
 KINDS = ("pool", "update", "engines", "ranks")
 _NAME = re.compile(r"^stagerl-(?P<kind>[a-z]+)-(?P<pid>\d+)-(?P<host>[A-Za-z0-9_]+)-")
 
@@ -28,17 +30,6 @@ def scratch_prefix(kind: str, tag: str = "") -> str:
 def scratch_dir(kind: str, tag: str = "") -> Path:
     """A new folder of this process (see scratch_prefix); its owner removes it when done."""
     return Path(tempfile.mkdtemp(prefix=scratch_prefix(kind, tag)))
-
-
-def process_alive(pid: int) -> bool:
-    """True while a process with this pid exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_orphans(tmp_dir=None) -> list[Path]:

@@ -97,6 +97,11 @@ def _live_local(record: dict) -> bool:
     pid = record.get("pid")
     if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
         return False
+    return process_alive(pid)
+
+
+def process_alive(pid: int) -> bool:
+    """True while a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
