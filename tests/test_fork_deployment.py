@@ -116,8 +116,8 @@ def test_fork_as_a_deployment_run(deployed, src, capsys):
 def test_a_source_that_keeps_every_state_forks_at_any_step(deployed, src):
     """src kept every train state and weights (trainer.save_freq=1): a fork at 1:update is
     accepted, and one at 2:rollout (which needs step 1's train state and weights) recomputes
-    step 2 bit for bit as src did. A source with the default keeps only its newest two train states
-    and is refused naming trainer.save_freq (tests/test_fork.py)."""
+    step 2 bit for bit as src did. A source with the default keeps only its latest weights: a fork
+    at rollout or logprob of an earlier step is refused naming trainer.save_freq (tests/test_fork.py)."""
     from configs.loader import load_config
     from configs.suggest import make_plan
     from flows.fork import check_fork, fork_arguments

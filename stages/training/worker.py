@@ -287,9 +287,10 @@ class UpdateJob:
 
 # Engines kept between steps in the session of the process that trained them (a rank pool's rank,
 # or the training process for one rank): {key: (job, step, rng)} in session.memo(KEPT). Step k
-# reuses the job that trained step k-1 of the same run and config instead of building engines
-# and loading train_state/step_{k-1} (which holds the same weights, optimizer and RNG, so the
-# result is bit-identical); anything else (another run, a rerun, step 1) builds afresh.
+# reuses the job that trained step k-1 of the same run and config instead of building engines,
+# restoring the newest stored train state and replaying the updates after it (restore_job: the
+# same weights, optimizer and RNG, so the result is bit-identical); anything else (another run, a
+# rerun, step 1) builds afresh.
 KEPT = "stages.training.worker: kept engines"
 
 
