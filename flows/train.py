@@ -28,7 +28,7 @@ from stages.ranks.launch import forget_inherited_rank_env
 from stages.scratch import remove_orphans
 from storage.secrets import scrub_override, take_secret_overrides
 from stages.session import RunSession
-from storage.artifacts import fingerprint, read_manifest, read_run_json, write_run_json
+from storage.artifacts import fingerprint, last_committed, read_manifest, read_run_json, write_run_json
 from storage.layout import RunLayout
 from storage.lineage import delete_tree
 from storage.lock import ExperimentLock, process_alive
@@ -238,7 +238,7 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         return finish_run(run, cfg, store, layout, total, done, ran, last)
     except BaseException:
         if run is not None:
-            keep_last_state(run, total)
+            keep_last_state(run, store, layout, total)
         raise
     finally:
         close_run(session, sinks, lock)
@@ -247,13 +247,12 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
 def run_name(store: Store, layout: RunLayout, total: int, fork: dict | None = None) -> str:
     """What a run is called in the Prefect UI: its experiment and the steps it runs
     ("tour · steps 1-5"), "(resume)" when earlier steps are done, "(fork of SRC at STEP:STAGE)"."""
-    done = [k for k in range(1, total + 1) if read_manifest(store, layout, k, "update") is not None]
-    first = next((k for k in range(1, total + 1) if k not in done), None)
-    name = (f"{layout.experiment} · steps {first}-{total}" if first is not None
+    first = last_committed(store, layout, "update") + 1
+    name = (f"{layout.experiment} · steps {first}-{total}" if first <= total
             else f"{layout.experiment} · steps 1-{total} done")
     if fork:
         return f"{name} (fork of {fork['source']} at {fork['at']})"
-    return f"{name} (resume)" if done and first is not None else name
+    return f"{name} (resume)" if 1 < first <= total else name
 
 
 def name_flow_run(store: Store, layout: RunLayout, total: int, fork: dict | None) -> None:
@@ -270,7 +269,7 @@ def name_flow_run(store: Store, layout: RunLayout, total: int, fork: dict | None
         logger().warning(f"could not name the flow run {name!r} ({type(exc).__name__}: {exc})")
 
 
-def keep_last_state(run: RunHandle, total: int) -> None:
+def keep_last_state(run: RunHandle, store: Store, layout: RunLayout, total: int) -> None:
     """A run that fails or is stopped before its last step stores the train state its ranks kept
     after its last committed update (stages/update.py::store_kept_state), so that its resume
     replays no update. Best effort: what cannot be stored is replayed by the resume."""
@@ -280,8 +279,7 @@ def keep_last_state(run: RunHandle, total: int) -> None:
     except Exception:  # noqa: BLE001 - an uncommitted update is run again by the resume
         pass
     try:
-        last = run.context(total, {"total_training_steps": total})
-        step = next((k for k in range(total, 0, -1) if read_manifest(last.store, last.layout, k, "update")), 0)
+        step = last_committed(store, layout, "update")
         if step and store_kept_state(run.context(step, {"total_training_steps": total})):
             print(f"stored the train state of step {step} (kept by the ranks) before stopping", flush=True)
     except Exception as exc:  # noqa: BLE001 - the run's own error is reported, not this one

@@ -98,14 +98,12 @@ def _plan_handoff(ctx, world: int) -> dict | None:
 def _finish_handoff(ctx, handoff: dict, results: list) -> None:
     """A folder handoff: the flow's engines load the version rank 0 wrote. Records handoff_s,
     from the end of the last optimizer step to every started engine holding the version."""
-    import time as _time
-
     from stages.engines import VERSION_FILE
 
     done = results[0]["handoff"]
     if handoff["mode"] == "folder":
         ctx.session.engines().take_folder(handoff["dir"], handoff["version"])
-        handoff["handoff_s"] = _time.time() - done["trained_at"]
+        handoff["handoff_s"] = time.time() - done["trained_at"]
     else:
         handoff["handoff_s"] = done["handoff_s"]
     if not (Path(handoff["dir"]) / VERSION_FILE).exists():
@@ -186,10 +184,7 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
             # into its engine straight from here, nothing is downloaded back
             save_weights(ctx.store, ctx.layout, ctx.step, actor_hf, extra={"step": ctx.step},
                          adopt_into=None if actor_hashes is not None else cache, hashes=actor_hashes)
-        for role in roles:
-            if (work / f"{role}_state").is_dir():  # stored every trainer.save_freq steps (training.state)
-                save_folder(ctx.store, work / f"{role}_state", f"{state_key(ctx.layout, ctx.step)}/{role}",
-                            extra={"step": ctx.step, "world": world})
+        _store_states(ctx, work, roles, world)
         if "critic" in roles:
             save_folder(ctx.store, work / "critic_hf", ctx.layout.critic_weights(ctx.step),
                         extra={"step": ctx.step})
@@ -222,6 +217,15 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
             shutil.rmtree(handoff["dir"], ignore_errors=True)
 
 
+def _store_states(ctx, work: Path, roles: list, world: int) -> None:
+    """Upload the train state the ranks saved into `work` (every trainer.save_freq steps, at the
+    last step, at the run's end: stages.training.state), one folder per role."""
+    for role in roles:
+        if (work / f"{role}_state").is_dir():
+            save_folder(ctx.store, work / f"{role}_state", f"{state_key(ctx.layout, ctx.step)}/{role}",
+                        extra={"step": ctx.step, "world": world})
+
+
 def store_kept_state(ctx) -> bool:
     """Store the train state of step ctx.step (its update committed) from the engines the ranks
     kept, when the step stored none (save_freq not due): what a run does when it ends, fails or is
@@ -242,9 +246,7 @@ def store_kept_state(ctx) -> bool:
         if not all(r.get("saved") for r in results):
             return False
         fetch_shipped(ctx, work, STAGE, results)
-        for role in roles:
-            save_folder(ctx.store, work / f"{role}_state", f"{state_key(ctx.layout, ctx.step)}/{role}",
-                        extra={"step": ctx.step, "world": ctx.plan["n_gpus"], "stored_at": "run end"})
+        _store_states(ctx, work, roles, ctx.plan["n_gpus"])
         prune_states(ctx)
         return True
     finally:

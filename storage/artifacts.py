@@ -201,6 +201,15 @@ def list_steps(store: Store, layout: RunLayout) -> list:
                   if s is not None)
 
 
+def last_committed(store: Store, layout: RunLayout, stage: str) -> int:
+    """The newest step whose `stage` is committed (0: none): the step folders listed once, then
+    manifests read from the newest down (one or two reads for a run stopped at its end)."""
+    for step in reversed(list_steps(store, layout)):
+        if read_manifest(store, layout, step, stage) is not None:
+            return step
+    return 0
+
+
 def step_status(store: Store, layout: RunLayout, step: int) -> dict:
     """{stage: complete?} for one step, in pipeline order."""
     names = set(store.list(layout.manifests_dir(step)))

@@ -16,21 +16,15 @@ import shutil
 import uuid
 from pathlib import Path
 
+from storage.registry import register_in
+
 
 BACKENDS: dict[str, type] = {}  # URL scheme -> Backend subclass
 
 
 def register_backend(*schemes: str):
     """Class decorator: the Backend for store roots with these URL schemes ("file": local paths)."""
-    def register(cls):
-        for scheme in schemes:
-            if BACKENDS.get(scheme, cls) is not cls:
-                raise ValueError(f"a store backend for '{scheme}://' is already registered "
-                                 f"({BACKENDS[scheme].__name__})")
-            BACKENDS[scheme] = cls
-        return cls
-
-    return register
+    return register_in(BACKENDS, schemes, "store backend")
 
 
 class Backend:

@@ -78,19 +78,17 @@ def resume_cost(cfg) -> dict:
 
     out = resume_replay(cfg)
     try:
-        from storage.artifacts import read_manifest
+        from storage.artifacts import last_committed, read_manifest
         from storage.layout import RunLayout
         from storage.store import Store
 
         store, layout = Store.from_config(cfg.get("storage", {})), RunLayout.from_config(cfg)
-        steps = sorted(int(n) for n in store.list(layout.steps_dir) if n.isdigit())
-        for step in reversed(steps):
-            train_s = ((read_manifest(store, layout, step, "update") or {}).get("timings") or {}).get(
-                "timing/rank_train_s")
-            if train_s is not None:
-                out.update(update_s=round(float(train_s), 3), from_step=step,
-                           replay_s_at_most=round(float(train_s) * out["replays_at_most"], 1))
-                break
+        step = last_committed(store, layout, "update")
+        train_s = ((read_manifest(store, layout, step, "update") or {}).get("timings") or {}).get(
+            "timing/rank_train_s") if step else None
+        if train_s is not None:
+            out.update(update_s=round(float(train_s), 3), from_step=step,
+                       replay_s_at_most=round(float(train_s) * out["replays_at_most"], 1))
     except Exception:  # noqa: BLE001 - no run yet, or an unreachable store: the count alone
         pass
     return out

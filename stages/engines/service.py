@@ -227,11 +227,6 @@ class RolloutEngines:
                 worker.loaded, worker.version = str(folder), version
         return took
 
-    def held_versions(self) -> list:
-        """The weights version each engine holds (None: a folder's, loaded without one)."""
-        held = [self.local_version] if self.local is not None else []
-        return held + [getattr(w, "version", None) for w in self.workers.values() if w.alive()]
-
     def _in_process(self, specs, shares, prompt_ids, sampling, options, t0) -> list[Generation]:
         """hf in this process: every replica in turn, with the threads a worker process would
         have (float sums depend on the thread count, so the rows equal a worker's bit for bit).

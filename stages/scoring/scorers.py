@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+from storage.registry import register_in
+
 # ---------------------------------------------------------------------------------------------
 # The registry: rule scorers by data_source (verl's default_compute_score dispatch)
 
@@ -19,15 +21,7 @@ SCORERS: dict[str, Callable[..., dict]] = {}
 def register_scorer(*data_sources: str) -> Callable[[Callable], Callable]:
     """Decorator: `fn(solution_str, ground_truth, extra_info=None, **kwargs) -> {"score", "acc"}`
     scores the rows whose data_source is one of `data_sources`."""
-    def register(fn: Callable) -> Callable:
-        for source in data_sources:
-            if SCORERS.get(source, fn) is not fn:
-                raise ValueError(f"a reward scorer for data_source {source!r} is already registered "
-                                 f"({SCORERS[source].__name__})")
-            SCORERS[source] = fn
-        return fn
-
-    return register
+    return register_in(SCORERS, data_sources, "reward scorer")
 
 
 # ---------------------------------------------------------------------------------------------

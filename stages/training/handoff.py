@@ -22,11 +22,9 @@ commits when it is done, as before. Both paths serialise the same tensors the sa
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -76,7 +74,7 @@ def rollout_tensors(engine, dtype: torch.dtype, rank: int):
 
     partitioned = engine.zero_optimization_stage() >= 3
     for name, param in engine.module.named_parameters():
-        if not partitioned and param.dtype == dtype and param.dtype == torch.float32:
+        if not partitioned and param.dtype == dtype == torch.float32:
             value = param.detach()
         else:
             value = safe_get_full_fp32_param(param)
@@ -92,11 +90,10 @@ def serialize(named: dict) -> bytes:
     return save({k: v.detach().contiguous().cpu() for k, v in named.items()}, metadata={"format": "pt"})
 
 
-def write_small_files(out_dir: Path, module, init_path, dtype: torch.dtype, version: str) -> None:
+def write_small_files(out_dir: Path, module, init_path, dtype: torch.dtype) -> None:
     """config.json (with the served dtype), generation_config.json and the tokenizer of a version
     folder: what a reader of the folder needs besides the weights, the same files the fp32 export
     (stages.training.engine.export_hf) writes, so a version's folder checksum is the same either way."""
-    from stages.engines import VERSION_FILE
     from stages.training.engine import write_model_files
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -107,7 +104,6 @@ def write_small_files(out_dir: Path, module, init_path, dtype: torch.dtype, vers
             shutil.move(str(f), out_dir / f.name)
     shutil.rmtree(empty)
     write_model_files(out_dir, str(dtype).removeprefix("torch."), init_path)
-    (out_dir / VERSION_FILE).write_text(json.dumps({"version": version}) + "\n")
 
 
 def shm_dir(tag: str) -> Path:
@@ -174,7 +170,3 @@ def _write_hashed(path: Path, source) -> dict:
                     h.update(chunk)
                     size += len(chunk)
     return {"size": size, "sha256": h.hexdigest()}
-
-
-def elapsed_since(t_wall: float) -> float:
-    return max(0.0, time.time() - t_wall)

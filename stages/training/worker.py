@@ -128,7 +128,7 @@ class UpdateJob:
         template = getattr(self, "_template", None)
         if template is None or template[1] != dtype:
             folder_t = scratch_dir("update", "version-template-")
-            ho.write_small_files(folder_t, self.actor.engine.module, self.init_path, dtype, "")
+            ho.write_small_files(folder_t, self.actor.engine.module, self.init_path, dtype)
             template = self._template = (folder_t, dtype)
         folder.mkdir(parents=True, exist_ok=True)
         for f in template[0].iterdir():
