@@ -16,13 +16,18 @@ import traceback
 from stages.ranks.zygote import MAX_FDS, MAX_MESSAGE
 
 
-def _set_death_signal(sig=signal.SIGKILL) -> None:
+def _set_death_signal(parent: int, sig=signal.SIGKILL) -> None:
+    """Die with `parent` (the process that forked this one). A parent that died between the fork
+    and this call sends no signal any more (the child would outlive it, reparented to init): then
+    the child ends itself the same way."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def _call(target: str, args: list) -> int:
@@ -31,11 +36,11 @@ def _call(target: str, args: list) -> int:
     return int(code or 0)
 
 
-def _child(request: dict, fds: list, sock: socket.socket, others: list) -> None:
+def _child(request: dict, fds: list, sock: socket.socket, others: list, parent: int) -> None:
     """In the forked child: become the process `request` asks for, run it, exit."""
     code = 1
     try:
-        _set_death_signal()
+        _set_death_signal(parent)
         sock.close()
         for fd in others:
             os.close(fd)
@@ -78,13 +83,13 @@ def _child(request: dict, fds: list, sock: socket.socket, others: list) -> None:
 def _lead_group(group: dict, target: str, args: list) -> int:
     """torchrun --standalone's job: fork the ranks, wait; the first failure stops the others."""
     world = group["world"]
-    ranks = {}
+    ranks, parent = {}, os.getpid()
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                _set_death_signal()
+                _set_death_signal(parent)
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK="0",
                                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                   MASTER_PORT=str(group["master_port"]))
@@ -121,7 +126,7 @@ def _lead_group(group: dict, target: str, args: list) -> int:
 
 
 def serve(fd: int, preload: list) -> int:
-    _set_death_signal()
+    _set_death_signal(os.getppid())  # die with the owner that started the server
     sock = socket.socket(fileno=fd)
     for name in preload:
         try:
@@ -156,10 +161,11 @@ def serve(fd: int, preload: list) -> int:
             return 0
         request = pickle.loads(data)
         status_r, status_w = os.pipe()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(status_r)
-            _child(request, fds, sock, [status_w, *children.values()])
+            _child(request, fds, sock, [status_w, *children.values()], parent)
         for fd in fds:
             os.close(fd)
         try:
