@@ -1,5 +1,6 @@
-"""Which config changes would alter finished work: what a resume refuses (flows/train.py
-check_run_json) and what a fork checks against its source (flows/fork.py)."""
+"""Which config changes would alter finished work: what a rerun refuses (flows/rerun.py
+check_rerun, which lets a changed total extend a run) and what a fork checks against its source
+(flows/fork.py)."""
 
 # Config keys whose change cannot alter finished work (how long to train, logging, placement).
 RESUMABLE_PREFIXES = (

@@ -18,11 +18,12 @@ from prefect import flow
 from flows.run_handle import RunHandle
 from flows.step import (check_stage_deployments, is_retryable, logger, rl_step, run_step_subflow,
                         step_is_complete, subflow_heartbeats_off)
-from configs.changes import changed_keys, flatten
+from configs.changes import changed_keys  # noqa: F401 (tests import it from here)
 from configs.local_paths import check_local_paths
 from configs.memory import check_fits, estimate_memory
 from configs.plan import check_trainable
 from flows.metric_sinks import MetricSinks, check_sinks
+from flows.rerun import RunConfigChanged, check_rerun, has_finished_work, run_total  # noqa: F401 (RunConfigChanged: tests)
 from flows.step_report import step_metrics
 from stages.ranks.launch import forget_inherited_rank_env
 from stages.scratch import remove_orphans
@@ -33,10 +34,6 @@ from storage.layout import RunLayout
 from storage.lineage import delete_tree
 from storage.lock import ExperimentLock, process_alive
 from storage.store import Store
-
-class RunConfigChanged(RuntimeError):
-    """The experiment exists with finished work and the new config would alter it."""
-
 
 def resolve(config: str, overrides: list[str], experiment_name: str | None):
     """load_config + make_plan; a refusal raises ConfigError/PlanError with the keys and fixes."""
@@ -50,29 +47,23 @@ def resolve(config: str, overrides: list[str], experiment_name: str | None):
     return cfg, make_plan(cfg)
 
 
-def has_finished_work(store: Store, layout: RunLayout) -> bool:
-    return bool(store.find(layout.steps_dir)) or bool(store.list(layout.weights_dir))
-
-
-def check_run_json(store: Store, layout: RunLayout, cfg: dict, plan: dict, source: dict) -> dict:
-    """Write run.json, or check the existing one: a changed key that would alter finished work
-    is refused with the list of keys."""
+def check_run_json(store: Store, layout: RunLayout, cfg: dict, plan: dict, source: dict,
+                   total: int | None = None, steps_per_epoch: int | None = None) -> dict:
+    """Write run.json, or check the existing one first (flows.rerun.check_rerun): a changed key
+    that would alter finished work is refused with the list of keys; a changed total extends the
+    run when no finished work changes. run.json records the run's total steps and steps per epoch."""
     from storage.secrets import scrub
 
     old = read_run_json(store, layout)
+    check_rerun(store, layout, cfg, total)
+    before = (old or {}).get("total_training_steps")
+    if before and total and before != total and has_finished_work(store, layout):
+        print(f"{layout.base}: {before} -> {total} steps; it continues after its last complete step "
+              f"({last_committed(store, layout, 'update')})", flush=True)
     clean = scrub(dict(cfg), store.secret_values)
-    if old is not None and has_finished_work(store, layout):
-        keys = changed_keys(old.get("config") or {}, clean)
-        if keys:
-            a, b = flatten(old.get("config") or {}), flatten(clean)
-            shown = "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:12])
-            raise RunConfigChanged(
-                f"experiment {layout.base} already has finished work and the config changed in "
-                f"{len(keys)} key(s) that would alter it: {shown}. Run with the original config to "
-                f"resume, or choose a new trainer.experiment_name (experiment_name=...) to start a "
-                f"new run")
     kept = {"lineage": old["lineage"]} if old and old.get("lineage") else {}  # a fork's (flows.fork)
-    return write_run_json(store, layout, dict(cfg), extra={"plan": plan, "source": source, **kept,
+    counts = {"total_training_steps": total, "steps_per_epoch": steps_per_epoch} if total else {}
+    return write_run_json(store, layout, dict(cfg), extra={"plan": plan, "source": source, **kept, **counts,
                                                            "config_fingerprint": fingerprint(clean)})
 
 
@@ -129,8 +120,7 @@ def check_ground_truth(cfg: dict, dataset) -> None:
 
 def total_steps(cfg: dict, steps_per_epoch: int) -> int:
     """trainer.total_training_steps, else total_epochs × steps per epoch (as verl)."""
-    explicit = cfg["trainer"].get("total_training_steps")
-    return int(explicit) if explicit else int(cfg["trainer"]["total_epochs"]) * steps_per_epoch
+    return run_total(cfg, steps_per_epoch)
 
 
 def step_extra(dataset, step: int, total: int) -> dict:
@@ -224,12 +214,17 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
             from flows.fork import create_fork
 
             create_fork(store, cfg, plan, fork, force_lock)
+        dataset, total = load_schedule(cfg, store)
+        nothing = check_rerun(store, layout, cfg, total)  # a total at or below the steps done
+        if nothing:
+            print(nothing, flush=True)
+            return {"run": store.url(layout.base), "total_steps": total, "steps_skipped": [],
+                    "steps_run": [], "last_metrics": {}, "nothing_to_run": nothing}
         check_run_json(store, layout, cfg, plan,
                        {"config": config, "overrides": [scrub_override(o, store.secret_values) for o in overrides],
-                        "experiment_name": experiment_name})
+                        "experiment_name": experiment_name}, total, dataset.steps_per_epoch)
         sinks = MetricSinks(cfg, store.secret_values)
         run = RunHandle.of(cfg, plan, store, session)  # passed to the steps and their tasks
-        dataset, total = load_schedule(cfg, store)
         print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
         name_flow_run(store, layout, total, fork)

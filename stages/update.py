@@ -33,7 +33,7 @@ from pathlib import Path
 from stages.batches.batching import format_load_line
 from stages.ranks.files import fetch_shipped
 from stages.scratch import scratch_dir
-from stages.training.state import TRAIN_CONFIG_KEYS, prune_states, state_key
+from stages.training.state import TOTAL_KEY, TRAIN_CONFIG_KEYS, prune_states, schedule_keys, state_key
 from storage.artifacts import read_manifest, write_stage
 from storage.faults import maybe_fault
 from storage.schemas import make_table
@@ -41,7 +41,15 @@ from storage.weights import adopt_folder, folder_hashes, save_folder, save_weigh
 
 STAGE = "update"
 INPUTS = ("rollout", "logprob", "advantage")
-CONFIG_KEYS = TRAIN_CONFIG_KEYS
+CONFIG_KEYS = TRAIN_CONFIG_KEYS + (TOTAL_KEY,)  # what it reads: the total for the schedule and the last state
+
+
+def stage_fingerprint(ctx) -> str:
+    """ctx.fingerprint over the keys that shape the update: the run's total steps only when a
+    learning-rate schedule depends on it (stages.training.state.schedule_keys), so extending a run
+    with a constant schedule leaves its finished updates (and the rollouts after them) complete."""
+    keys = TRAIN_CONFIG_KEYS + ((TOTAL_KEY,) if schedule_keys(ctx.cfg) else ())
+    return ctx.fingerprint(STAGE, keys, INPUTS)
 
 
 def run(ctx) -> dict:
@@ -118,7 +126,7 @@ def commit_later(ctx, work: Path, results: list, commit, launch_s: float, handof
     for this commit before writing its own manifest, so a committed step k+1 always has a
     committed update k; a crash before the commit leaves update k incomplete and a resume runs it
     again (from the newest stored train state, replaying the updates after it)."""
-    fingerprint = ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS)
+    fingerprint = stage_fingerprint(ctx)
     if handoff is not None:
         local, hashes = Path(handoff["dir"]), None
     else:
@@ -201,7 +209,7 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
             files["update/log_probs.parquet"] = forward_log_probs_table(results, ctx.plan["rows_per_step"])
         metrics["timing/update_s"] = time.perf_counter() - t0
         manifest = write_stage(ctx.store, ctx.layout, ctx.step, STAGE, files,
-                               fingerprint=ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS),
+                               fingerprint=stage_fingerprint(ctx),
                                inputs=ctx.input_fingerprints(INPUTS),
                                timings={k: v for k, v in metrics.items() if k.startswith("timing/")},
                                extra={"world": world, "roles": roles,

@@ -129,6 +129,14 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
                 store = Store.from_config(cfg["storage"])
                 if not preexisting_fork(store, cfg, fork):
                     check_fork(store, cfg, plan, fork)
+            else:  # a rerun: a changed config refused, a total at or below the steps done has nothing to run
+                from flows.rerun import check_rerun
+                from storage.store import Store
+
+                nothing = check_rerun(Store.from_config(cfg["storage"]), RunLayout.from_config(cfg), cfg)
+                if nothing:
+                    print(nothing)
+                    return 0
         except (ConfigError, LookupError, InvalidName) as exc:
             print(f"error: {exc}")
             return 2

@@ -46,11 +46,12 @@ def lr_factor(index: int, warmup_style: str, warmup_steps: int, total_steps: int
 
 def step_lr(optim_cfg: dict, step: int, total_steps: int | None, key: str) -> float:
     """The learning rate of training step `step` (1-based) for an optim config section `key`."""
+    from stages.training.state import total_key
+
     style = optim_cfg.get("warmup_style", "constant")
     warmup = optim_cfg.get("lr_warmup_steps", -1)
     ratio = optim_cfg.get("lr_warmup_steps_ratio", 0.0) or 0.0
-    needs_total = style == "cosine" or (warmup is None or warmup < 0) and ratio > 0
-    if needs_total and not (total_steps and total_steps > 0):
+    if total_key(optim_cfg) and not (total_steps and total_steps > 0):
         raise ValueError(f"{key}.warmup_style={style} / lr_warmup_steps_ratio={ratio} needs the number of "
                          f"training steps: set trainer.total_training_steps (got {total_steps!r})")
     if warmup is None or warmup < 0:

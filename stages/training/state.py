@@ -14,6 +14,8 @@ engine carries it, and the rows are the stored ones.
 """
 from __future__ import annotations
 
+from configs.loader import get_path
+from configs.plan import uses_critic
 from storage.layout import WEIGHTS_MANIFEST
 from storage.lineage import delete_tree
 from storage.weights import load_folder
@@ -22,8 +24,34 @@ TRAIN_CONFIG_KEYS = ("actor_rollout_ref.actor", "actor_rollout_ref.model.path", 
                      "actor_rollout_ref.model.lora_alpha", "actor_rollout_ref.model.target_modules",
                      "actor_rollout_ref.rollout.temperature", "algorithm.rollout_correction",
                      "critic", "data.max_response_length", "trainer.balance_batch", "trainer.critic_warmup",
-                     "trainer.total_training_steps", "trainer.n_gpus_per_node", "trainer.nnodes")
+                     "trainer.n_gpus_per_node", "trainer.nnodes")
+# The run's total steps reach an update only through a learning-rate schedule that depends on it
+# (schedule_keys): the update's fingerprint holds it only then, so a run whose schedules do not
+# can be extended (a larger trainer.total_training_steps) with its finished updates still complete.
+TOTAL_KEY = "trainer.total_training_steps"
 KEEP_STATES = 2  # the newest two stored states are always kept: what a resume restores from
+
+
+def total_key(optim: dict) -> str | None:
+    """The key of an optim section (verl's optim config) whose learning-rate schedule depends on
+    the run's total steps: `warmup_style` (cosine decays over the total) or `lr_warmup_steps_ratio`
+    (a warm-up of int(ratio x total) steps, when lr_warmup_steps < 0); None when the learning rate
+    of every step is the same whatever the total (constant, with or without lr_warmup_steps)."""
+    if (optim.get("warmup_style") or "constant") == "cosine":
+        return "warmup_style"
+    warmup = optim.get("lr_warmup_steps", -1)
+    if (warmup is None or warmup < 0) and (optim.get("lr_warmup_steps_ratio") or 0.0) > 0:
+        return "lr_warmup_steps_ratio"
+    return None
+
+
+def schedule_keys(cfg) -> list[str]:
+    """The full keys of the learning-rate schedules that depend on the run's total steps, for every
+    role the update trains (the actor; the critic when the run has one), e.g.
+    ["actor_rollout_ref.actor.optim.warmup_style"]; [] when none does."""
+    roles = ["actor_rollout_ref.actor"] + (["critic"] if uses_critic(cfg) else [])
+    found = [(role, total_key(get_path(cfg, f"{role}.optim") or {})) for role in roles]
+    return [f"{role}.optim.{key}" for role, key in found if key]
 
 
 def state_key(layout, k: int) -> str:
