@@ -1,7 +1,8 @@
 """Peer bench: stagerl's real `rl-train` flow against TRL's GRPOTrainer on the same GRPO work,
 interleaved, several fresh-process runs each. Writes bench/results/peer_trl.json.
 
-    python bench/peer_trl.py [--runs 3] [--steps 10] [--variants trl stagerl-hf-1rank ...] [--with-vllm]
+    python bench/peer_trl.py [--runs 3] [--steps 10] [--micro-batches 120 360 720]
+                             [--variants trl trl-2rank stagerl-hf-1rank stagerl-hf-2rank ...] [--with-vllm]
 
 `make bench-peer` builds TRL's own virtual environment (.venv-peer: torch + trl; TRL is never a
 dependency of stagerl) and runs this with stagerl's .venv.
@@ -14,16 +15,20 @@ use_kl_loss=false, use_kl_in_reward=false; TRL: beta=0), the PPO clipped loss (e
 averaged over all tokens of the step (stagerl: token-mean, the exact global token mean; TRL:
 loss_type="dapo", which divides by the active tokens of the whole generation batch), one AdamW
 step per RL step (lr 1e-3, betas 0.9/0.999, weight decay 0.01, constant schedule, grad clip 1.0),
-micro-batches of 120 rows (stagerl ppo_micro_batch_size_per_gpu; TRL per_device_train_batch_size
-with 6 accumulation steps = steps_per_generation), the reward of bench/peer/reward.py, no
+micro-batches swept over 120, 360 and 720 rows per optimizer step's micro-batch over all ranks
+(stagerl ppo_micro_batch_size_per_gpu = rows / ranks; TRL per_device_train_batch_size = rows / ranks
+with 720 / rows accumulation steps = steps_per_generation), the reward of bench/peer/reward.py, no
 validation, evaluation or checkpoints, fp32. Both generate the step's rows in one transformers
 `generate` call per engine (stagerl's hf_generate_batch_size=120 prompts covers the 60).
 
-Variants: trl; stagerl-{hf|vllm}-{N}rank (trainer.n_gpus_per_node=N; vllm: rollout.name=vllm,
+Variants: trl (one process) and trl-2rank (two processes under torchrun, gloo, as TRL runs data
+parallel); stagerl-{hf|vllm}-{N}rank (trainer.n_gpus_per_node=N; vllm: rollout.name=vllm,
 enforce_eager=true, only with --with-vllm or named), with stagerl's default orchestration (stage
-tasks in the rl-train flow run); a `-subflow` suffix sets orchestration.step_subflow=true. Threads: TRL OMP_NUM_THREADS=2 + torch.set_num_threads(2);
-stagerl's flow process OMP_NUM_THREADS=2 (rollout, and logprob/update with 1 rank); with 2 ranks
-the rank pool gives each rank 1 thread.
+tasks in the rl-train flow run); a `-subflow` suffix sets orchestration.step_subflow=true. Each is
+run at every --micro-batches size (named variant@mbM; a variant named with @mbM runs at that size
+only). Threads: 2 per side: TRL OMP_NUM_THREADS=2 + torch.set_num_threads(2) with one process, 1
+each with two; stagerl's flow process OMP_NUM_THREADS=2 (rollout, and logprob/update with 1 rank);
+with 2 ranks the rank pool gives each rank 1 thread.
 
 Per run, from one instant t0 (the parent's time.time() just before it starts the process):
   startup_s    t0 -> step 1 begins (TRL: on_step_begin of step 1, before its generation; stagerl:
@@ -33,7 +38,11 @@ Per run, from one instant t0 (the parent's time.time() just before it starts the
   split_s      mean over steps 2..N of the phases (stagerl: timing_s/{stage} as bench/step.py reads
                them, "other" = the rest of the step; TRL: generate, reward, the rest of
                generate-and-score, and the rest of the step = forward/backward/optimizer)
-Medians over runs per variant, and ratio_vs_trl = variant median / TRL median (< 1: faster)."""
+  time_split_s stagerl: flows.step_report.time_split of each step (generate, update_train, and
+               everything outside them by part), mean over steps 2..N
+Medians over runs per variant; ratio_vs_trl = variant median / the median of TRL at the same ranks
+and micro-batch (< 1: faster); best_vs_best = each side at its fastest micro-batch per rank count
+(its lowest median warm s/step) against the other's, which is what a user comparing the two runs."""
 from __future__ import annotations
 
 import argparse
@@ -53,9 +62,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 PEER = REPO / "bench" / "peer"
-DEFAULT_VARIANTS = ("trl", "stagerl-hf-1rank", "stagerl-hf-2rank")
+DEFAULT_VARIANTS = ("trl", "trl-2rank", "stagerl-hf-1rank", "stagerl-hf-2rank")
+DEFAULT_MICRO_BATCHES = (120, 360, 720)
 VLLM_VARIANT = "stagerl-vllm-1rank"
 VARIANT_RE = re.compile(r"^stagerl-(hf|vllm)-(\d+)rank(-subflow)?$")
+TRL_RE = re.compile(r"^trl(?:-(\d+)rank)?$")
 STAGES = ("rollout", "logprob", "reward", "advantage", "update")
 WORK = {"prompts": 60, "n": 12, "micro_batch": 120, "max_prompt_tokens": 16, "max_response_tokens": 16,
         "temperature": 1.0, "top_p": 1.0, "lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.01,
@@ -63,13 +74,27 @@ WORK = {"prompts": 60, "n": 12, "micro_batch": 120, "max_prompt_tokens": 16, "ma
 
 
 def parse_variant(name: str) -> dict:
-    if name == "trl":
-        return {"side": "trl"}
-    match = VARIANT_RE.match(name)
-    if not match:
-        raise SystemExit(f"unknown variant {name!r}: use trl or stagerl-{{hf|vllm}}-{{N}}rank[-subflow]")
+    """`<variant>@mb<M>`: M rows per micro-batch over all ranks (each of N ranks takes M / N)."""
+    base, _, micro = name.partition("@mb")
+    micro_rows = int(micro) if micro.isdigit() else WORK["micro_batch"]
+    match = TRL_RE.match(base)
+    if match:
+        return {"side": "trl", "ranks": int(match.group(1) or 1), "micro_batch": micro_rows, "base": base}
+    match = VARIANT_RE.match(base)
+    if not match or (micro and not micro.isdigit()):
+        raise SystemExit(f"unknown variant {name!r}: use trl[-Nrank] or stagerl-{{hf|vllm}}-{{N}}rank[-subflow], "
+                         f"optionally @mb<rows per micro-batch>")
     return {"side": "stagerl", "engine": match.group(1), "ranks": int(match.group(2)),
-            "step_subflow": bool(match.group(3))}
+            "step_subflow": bool(match.group(3)), "micro_batch": micro_rows, "base": base}
+
+
+def per_rank_micro(spec: dict) -> int:
+    rows = WORK["prompts"] * WORK["n"]
+    micro, ranks = spec["micro_batch"], spec["ranks"]
+    if micro % ranks or rows % micro:
+        raise SystemExit(f"micro-batch {micro} must divide the {rows} rows of a step and split evenly over "
+                         f"{ranks} ranks")
+    return micro // ranks
 
 
 def build_inputs(work: Path) -> dict:
@@ -103,7 +128,7 @@ def stagerl_overrides(spec: dict, inputs: dict, work: Path, steps: int) -> list[
            f"data.max_prompt_length={w['max_prompt_tokens']}", f"data.max_response_length={w['max_response_tokens']}",
            f"data.train_batch_size={w['prompts']}", f"data.seed={w['seed']}",
            f"actor_rollout_ref.model.path={inputs['model']}", f"storage.root={work / 'runs'}",
-           f"{actor}.ppo_mini_batch_size={w['prompts']}", f"{actor}.ppo_micro_batch_size_per_gpu={w['micro_batch']}",
+           f"{actor}.ppo_mini_batch_size={w['prompts']}", f"{actor}.ppo_micro_batch_size_per_gpu={per_rank_micro(spec)}",
            f"{actor}.ppo_epochs=1", f"{actor}.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
            "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=true",
            f"{actor}.loss_agg_mode=token-mean", f"{actor}.entropy_coeff=0.0", f"{actor}.clip_ratio={w['clip_epsilon']}",
@@ -112,7 +137,7 @@ def stagerl_overrides(spec: dict, inputs: dict, work: Path, steps: int) -> list[
            f"{actor}.optim.betas=[{w['betas'][0]},{w['betas'][1]}]", f"{actor}.optim.warmup_style=constant",
            f"{actor}.grad_clip={w['grad_clip']}", f"{actor}.deepspeed.dtype=fp32",
            f"{rollout}.n={w['n']}", f"{rollout}.temperature={w['temperature']}", f"{rollout}.top_p={w['top_p']}",
-           f"{rollout}.top_k=-1", f"{rollout}.do_sample=true", f"{rollout}.log_prob_micro_batch_size_per_gpu={w['micro_batch']}",
+           f"{rollout}.top_k=-1", f"{rollout}.do_sample=true", f"{rollout}.log_prob_micro_batch_size_per_gpu={per_rank_micro(spec)}",
            f"{rollout}.hf_generate_batch_size=120", f"{rollout}.name={spec['engine']}", f"{rollout}.enforce_eager=true",
            f"{rollout}.dtype=float32",  # as TRL (bf16=False) and the update (deepspeed.dtype=fp32)
            f"custom_reward_function.path={PEER / 'reward.py'}", "custom_reward_function.name=compute_score",
@@ -184,8 +209,12 @@ def summarize_stagerl(raw: dict, t_exit: float) -> dict:
                           for i, e in enumerate(steps)]
     pick = lambda e, *keys: next((e["metrics"][k] for k in keys if k in e["metrics"]), None)
     began = raw.get("step1_rollout_began")
+    from flows.step_report import time_split
+
+    splits = [time_split(e["metrics"]) for e in steps]
     out.update({"imports_s": round(raw["t_imported"] - raw["t0"], 3),
                 "split_s": {k: mean_after_first(v) for k, v in per_stage.items()},
+                "time_split_s": {k: mean_after_first([s[k] or 0.0 for s in splits]) for k in splits[0]},
                 "startup_s_by_rollout_manifest": round(began - raw["t0"], 3) if began else None,
                 "reward_mean": [pick(e, "reward/score/mean", "critic/score/mean") for e in steps],
                 "response_length_mean": [pick(e, "response_length/mean", "rollout/response_length/mean")
@@ -200,12 +229,16 @@ def run_variant(name: str, run: int, ctx: dict) -> dict:
     spec, work, args = parse_variant(name), ctx["work"], ctx["args"]
     out_json, log = work / f"{name}-r{run}.json", work / f"{name}-r{run}.log"
     if spec["side"] == "trl":
-        cmd = [str(args.peer_python), str(PEER / "trl_grpo.py"), "--model", ctx["inputs"]["model"],
-               "--data", ctx["inputs"]["train"], "--out", str(out_json), "--work-dir", str(work / f"trl-r{run}"),
-               "--steps", str(args.steps), "--threads", str(args.threads)]
-        env = child_env(args.threads, None)
+        threads = max(1, args.threads // spec["ranks"])  # 2 ranks: one thread each, as stagerl's rank pool
+        launcher = [str(args.peer_python)] if spec["ranks"] == 1 else [
+            str(args.peer_python), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['ranks']}"]
+        cmd = [*launcher, str(PEER / "trl_grpo.py"), "--model", ctx["inputs"]["model"],
+               "--data", ctx["inputs"]["train"], "--out", str(out_json), "--work-dir", str(work / f"trl-{name}-r{run}"),
+               "--steps", str(args.steps), "--threads", str(threads),
+               "--micro-batch", str(per_rank_micro(spec))]
+        env = child_env(threads, None)
     else:
-        experiment = f"peer-{name}-r{run}"
+        experiment = f"peer-{name.replace('@', '-')}-r{run}"
         cmd = [sys.executable, str(PEER / "stagerl_run.py"), "--out", str(out_json), "--experiment", experiment,
                *stagerl_overrides(spec, ctx["inputs"], work, args.steps), *args.stagerl_overrides]
         env = child_env(args.threads, ctx["prefect"])
@@ -246,13 +279,49 @@ def aggregate(results: list[dict], variants: list[str]) -> dict:
         out[name] = {"runs_ok": len(good), "runs_failed": sum(r["variant"] == name for r in results) - len(good),
                      **{k: med(k) for k in ("startup_s", "warm_step_s", "wall_s", "process_s", "imports_s",
                                                 "prefect_server_cpu_s")},
-                     "split_s": {k: round(statistics.median(r["split_s"][k] for r in good), 3)
-                                 for k in (good[0]["split_s"] if good else {})}}
-    trl = out.get("trl")
-    for name, row in out.items():
-        if trl and name != "trl":
-            row["ratio_vs_trl"] = {k: round(row[k] / trl[k], 3) if row[k] and trl.get(k) else None
-                                   for k in ("startup_s", "warm_step_s", "wall_s", "process_s")}
+                     **{part: {k: round(statistics.median(r[part][k] for r in good), 3)
+                               for k in (good[0][part] if good else {})}
+                        for part in ("split_s", "time_split_s") if not good or part in good[0]}}
+    for name, row in out.items():  # matched: TRL at the same ranks and micro-batch (else 1 rank)
+        spec = parse_variant(name)
+        if spec["side"] == "trl":
+            continue
+        trl = out.get(f"trl-{spec['ranks']}rank@mb{spec['micro_batch']}" if spec["ranks"] > 1 else
+                      f"trl@mb{spec['micro_batch']}") or out.get(f"trl@mb{spec['micro_batch']}")
+        if trl:
+            row["ratio_vs_trl"] = ratios(row, trl)
+    return out
+
+
+def ratios(row: dict, trl: dict) -> dict:
+    return {k: round(row[k] / trl[k], 3) if row.get(k) and trl.get(k) else None
+            for k in ("startup_s", "warm_step_s", "wall_s", "process_s")}
+
+
+def best_vs_best(median: dict) -> dict:
+    """Each side at its fastest micro-batch (lowest median warm s/step), per rank count: stagerl's
+    best against TRL's best at the same ranks (and against TRL's best at any ranks)."""
+    groups: dict = {}
+    for name, row in median.items():
+        if row.get("warm_step_s"):
+            spec = parse_variant(name)
+            groups.setdefault(spec["base"], []).append((row["warm_step_s"], name))
+    best = {base: min(entries)[1] for base, entries in groups.items()}
+    trl_any = min((median[n]["warm_step_s"], n) for b, n in best.items() if b.startswith("trl")) if any(
+        b.startswith("trl") for b in best) else None
+    out = {}
+    for base, name in best.items():
+        spec = parse_variant(name)
+        if spec["side"] == "trl":
+            continue
+        trl_name = best.get("trl" if spec["ranks"] == 1 else f"trl-{spec['ranks']}rank") or best.get("trl")
+        entry = {"stagerl": name, "stagerl_warm_step_s": median[name]["warm_step_s"]}
+        if trl_name:
+            entry.update({"trl": trl_name, "trl_warm_step_s": median[trl_name]["warm_step_s"],
+                          "ratio": ratios(median[name], median[trl_name])})
+        if trl_any:
+            entry["vs_trl_fastest_any_ranks"] = {"trl": trl_any[1], "ratio": ratios(median[name], median[trl_any[1]])}
+        out[base] = entry
     return out
 
 
@@ -260,7 +329,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                        help="trl[-Nrank], stagerl-{hf|vllm}-Nrank[-subflow]; @mbM pins one micro-batch")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=list(DEFAULT_MICRO_BATCHES),
+                        help="rows per micro-batch over all ranks, swept for every variant without @mb")
     parser.add_argument("--with-vllm", action="store_true", help=f"add {VLLM_VARIANT}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peer-python", type=Path, default=REPO / ".venv-peer" / "bin" / "python")
@@ -270,9 +342,11 @@ def main() -> int:
     parser.add_argument("--stagerl-overrides", nargs="*", default=[],
                         help="extra key=value overrides for every stagerl variant (experiments)")
     args = parser.parse_args()
-    variants = list(dict.fromkeys(args.variants + ([VLLM_VARIANT] if args.with_vllm else [])))
+    variants = [v if "@mb" in v else f"{v}@mb{m}" for m in args.micro_batches
+                for v in dict.fromkeys(args.variants + ([VLLM_VARIANT] if args.with_vllm else []))]
+    variants = list(dict.fromkeys(variants))
     for name in variants:
-        parse_variant(name)
+        per_rank_micro(parse_variant(name))
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (warm s/step is the mean of steps 2..N)")
     if "trl" in variants and not args.peer_python.exists():
@@ -304,14 +378,17 @@ def main() -> int:
                        "trl": f"OMP_NUM_THREADS={args.threads} + torch.set_num_threads({args.threads})",
                        "stagerl": f"flow process OMP_NUM_THREADS={args.threads} (rollout; logprob/update when 1 "
                                   "rank); 2 ranks: the rank pool gives each rank OMP_NUM_THREADS=1"},
-           "median": aggregate(results, variants), "per_run": results,
+           "median": (median := aggregate(results, variants)), "best_vs_best": best_vs_best(median),
+           "per_run": results,
            "machine": f"{os.cpu_count()} CPUs", "load_avg_1m": {"start": round(load_start, 2),
                                                                 "end": round(os.getloadavg()[0], 2)},
            "date": time.strftime("%Y-%m-%d"), "scratch": str(work) if args.keep else None}
     text = json.dumps(out, indent=1) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    print(json.dumps({"median": out["median"], "load_avg_1m": out["load_avg_1m"]}, indent=1))
+    print(json.dumps({"median": {k: {f: v[f] for f in ("warm_step_s", "wall_s", "split_s", "ratio_vs_trl") if f in v}
+                                 for k, v in out["median"].items()},
+                      "best_vs_best": out["best_vs_best"], "load_avg_1m": out["load_avg_1m"]}, indent=1))
     return 0 if all("error" not in r and r["returncode"] == 0 for r in results) else 1
 
 

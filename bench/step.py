@@ -129,6 +129,8 @@ def main() -> int:
             "overrides": extra, "steps_run": len(steps), "reported_steps": [st["step"] for st in warm],
             "rows": warm[-1]["rows"], "step_s": step_s, "stage_s": {k: mean(k, "stage_s") for k in STAGES},
             "split_s": split,
+            "time_split_s": {k: round(sum(st["time_split_s"].get(k) or 0.0 for st in warm) / len(warm), 4)
+                             for k in warm[0]["time_split_s"]},
             "non_compute_fraction": round(1 - split["stage_compute"] / step_s, 4) if step_s else None,
             "orchestration_detail_s": {k: mean(k, "orchestration_detail_s")
                                        for k in warm[0]["orchestration_detail_s"]},
@@ -166,7 +168,10 @@ def split_step(store, layout, read_manifest, stages, step: int, metrics: dict) -
     detail = {k.split("/", 1)[1]: round(float(metrics[k]), 3) for k in
               ("timing/launch_s", "timing/rank_init_s", "timing/rank_train_s",
                "timing/rank_save_export_s", "timing/upload_s") if k in metrics}
+    from flows.step_report import time_split
+
     return {"step": step, "rows": metrics.get("reward/rows"), "step_s": round(step_s, 3),
+            "time_split_s": time_split(metrics),
             "stage_s": {k: round(v, 3) for k, v in stage_s.items()},
             "split_s": {"stage_compute": round(compute_s, 3), "storage_io": round(storage_s, 3),
                         "orchestration": round(max(0.0, step_s - sum(stage_s.values())), 3),

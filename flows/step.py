@@ -34,6 +34,10 @@ from storage.artifacts import read_manifest
 from storage.layout import STAGES, RunLayout
 from storage.store import StoreError
 
+# Stages that read only the rollout run as two concurrent task runs (the flow's thread pool): the
+# reward's scorer processes work while the logprob stage runs, instead of after it. Not with a
+# reward model, which would share this process's CPU (and device) with the logprob pass.
+SIDE_BY_SIDE = ("logprob", "reward")
 STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: stages)
 REMOTE_STAGES = ("rollout", "update")
 ON_UPDATE_DEPLOYMENT = ("logprob",)  # N-rank stages run by the update deployment, on its pool
@@ -204,7 +208,7 @@ def task_result(state) -> dict:
 @flow(name="rl-step", flow_run_name="step-{step}")
 def rl_step(run: RunHandle, step: int, extra: dict | None = None, publish: bool = True,
             background_publish: bool = False) -> dict:
-    """rollout -> logprob -> reward -> advantage -> update for one step; {stage: summary}.
+    """rollout -> logprob and reward side by side -> advantage -> update for one step; {stage: summary}.
     `run` is recorded by Prefect as {"uri": ...} only (flows/run_handle.py); a handle rebuilt from
     that reads run.json. With background_publish and the run's session (the training flow's
     handle), the step's Prefect artifacts are written by the session's publisher thread (attached
@@ -217,9 +221,19 @@ def rl_step(run: RunHandle, step: int, extra: dict | None = None, publish: bool 
     session = run.session
     publisher = step_report.background_publisher(session) if background_publish and session else None
     summaries = {}
+    side_by_side = SIDE_BY_SIDE if not cfg.get("reward_model", {}).get("enable") else ()
     for stage in STAGES:
-        summaries[stage] = task_result(run_task(stage, run, step, extra, remote.get(stage),
-                                            return_state=True))
+        if stage in summaries:
+            continue
+        if stage in side_by_side:  # both read only the rollout: their task runs overlap
+            futures = {s: run_task.submit(s, run, step, extra, remote.get(s)) for s in side_by_side}
+            for future in futures.values():
+                future.wait()
+            for s, future in futures.items():  # both ended before a failure is raised
+                summaries[s] = task_result(future.state)
+        else:
+            summaries[stage] = task_result(run_task(stage, run, step, extra, remote.get(stage),
+                                                    return_state=True))
         if publisher is not None and stage == STAGES[0]:
             publisher.start()  # the previous step's artifacts, after the rollout: not beside its
             #                    generate, which Python and CPU work beside it slow the most

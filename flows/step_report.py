@@ -99,6 +99,28 @@ def step_metrics(ctx, summaries: dict | None = None) -> dict:
     return metrics
 
 
+def time_split(metrics: dict) -> dict:
+    """Where a step's seconds went, from its metrics: the engine's generation, the update's train
+    loop (reading its rows, forward, backward, optimizer), and everything else by part: the rest of
+    the rollout and update stages, logprob, reward, advantage, and the orchestration (Prefect task
+    runs, checks, metrics: the step minus its stages; negative when stages overlapped).
+    `outside_generate_and_train` is the step minus the two, the number peers keep near zero.
+    Without timing_s/step (a step read back from the store) the parts known are given."""
+    get = lambda key: float(metrics[key]) if isinstance(metrics.get(key), (int, float)) else None
+    stage = {s: get(f"timing_s/{s}") for s in STAGES}
+    generate, train = get("timing/generate_s"), get("timing/update_compute_s")
+    out = {"generate": generate, "update_train": train,
+           "rollout_other": stage["rollout"] - generate if None not in (stage["rollout"], generate) else None,
+           "logprob": stage["logprob"], "reward": stage["reward"], "advantage": stage["advantage"],
+           "update_other": stage["update"] - train if None not in (stage["update"], train) else None}
+    step = get("timing_s/step")
+    if step is not None:
+        out["orchestration"] = step - sum(v for v in stage.values() if v is not None)
+        out["outside_generate_and_train"] = step - (generate or 0.0) - (train or 0.0)
+        out["step"] = step
+    return {k: (round(v, 4) if v is not None else None) for k, v in out.items()}
+
+
 def _scalars(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in (tree or {}).items():

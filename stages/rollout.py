@@ -293,6 +293,7 @@ def run(ctx) -> dict:
         "finish_stop": columns["finish_reason"].count("stop"),
         "model_dir": str(model_dir),
         "weights_version": ctx.policy_version(),
+        "metrics": {"timing/generate_s": gen_s},  # the engine's generation alone (time_split)
     }
     if baseline is not None:  # rollout/baseline.parquet: greedy answers, not training rows
         extra["baseline"] = baseline

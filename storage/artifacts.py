@@ -93,6 +93,8 @@ def upload_files(store: Store, layout: RunLayout, step: int, stage: str, files: 
         store.move(tmp, key)
         entries[name] = {"path": key, "size": len(data), "sha256": sha256_bytes(data),
                          "rows": rows, "write_s": round(time.perf_counter() - t0, 4)}
+        if rows is not None:
+            store.remember_table(key, entries[name]["sha256"], content)
     return entries
 
 
@@ -168,6 +170,9 @@ def read_file(store: Store, layout: RunLayout, step: int, stage: str, name: str 
     entry = manifest["files"].get(name)
     if entry is None:
         raise KeyError(f"manifest of step {step} stage {stage!r} lists no file {name!r}")
+    kept = store.recent_table(entry["path"], entry["sha256"])
+    if kept is not None:  # committed by this process with exactly these bytes (Store.remember_table)
+        return kept
     data = store.read_bytes(entry["path"])
     if len(data) != entry["size"] or sha256_bytes(data) != entry["sha256"]:
         raise ChecksumError(f"checksum mismatch for {store.url(entry['path'])}: the object "

@@ -6,6 +6,8 @@ import contextlib
 import io
 import json
 import posixpath
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from storage.secrets import scrub_text
@@ -23,6 +25,17 @@ DEFAULTS = {
 
 class StoreError(RuntimeError):
     """A storage operation failed (message names the key)."""
+
+
+# Tables this process wrote last, by full object path: {path: (sha256 of the bytes written, table)}.
+# A later stage of the same step in the same process (the training flow runs them one after
+# another) gets the table back without reading and decoding the parquet, and only when its
+# manifest lists exactly those bytes. Any write, move, copy or delete through a Store of this
+# process forgets the path first; another process's writes are not seen (a reader in another
+# process reads and verifies the object as always).
+RECENT_TABLES_KEPT = 8
+_recent_tables: "OrderedDict[str, tuple[str, object]]" = OrderedDict()
+_recent_lock = threading.Lock()  # stage tasks of one step may run side by side (flows.step)
 
 
 class Store:
@@ -92,9 +105,34 @@ class Store:
         except Exception as exc:
             raise self._err(what, key, exc) from exc
 
+    # ---- tables written by this process -------------------------------------------------
+    def remember_table(self, key: str, sha256: str, table) -> None:
+        path = self.path(key)
+        with _recent_lock:
+            _recent_tables[path] = (sha256, table)
+            _recent_tables.move_to_end(path)
+            while len(_recent_tables) > RECENT_TABLES_KEPT:
+                _recent_tables.popitem(last=False)
+
+    def recent_table(self, key: str, sha256: str):
+        """The table this process wrote at `key` if its bytes had this sha256, else None."""
+        with _recent_lock:
+            entry = _recent_tables.get(self.path(key))
+        return entry[1] if entry is not None and entry[0] == sha256 else None
+
+    def _forget(self, key: str, recursive: bool = False) -> None:
+        path = self.path(key)
+        with _recent_lock:
+            _recent_tables.pop(path, None)
+            if recursive:
+                prefix = path.rstrip("/") + "/"
+                for p in [p for p in _recent_tables if p.startswith(prefix)]:
+                    del _recent_tables[p]
+
     # ---- bytes --------------------------------------------------------------------------
     def write_bytes(self, key: str, data: bytes) -> int:
         """Write `data` at `key` atomically (local: temp file + rename; S3: one PUT)."""
+        self._forget(key)
         with self._errors("write", key):
             self.backend.write_atomic(self.path(key), data)
         return len(data)
@@ -167,6 +205,7 @@ class Store:
 
     def delete(self, key: str, recursive: bool = False) -> None:
         """Remove `key` (a folder too with recursive=True); missing keys are fine."""
+        self._forget(key, recursive)
         path = self.path(key)
         try:
             with self._errors("delete", key, missing=True):
@@ -179,17 +218,21 @@ class Store:
 
     def move(self, src: str, dst: str) -> None:
         """Rename a file (local: atomic rename; S3: server-side copy then delete)."""
+        self._forget(src)
+        self._forget(dst)
         with self._errors(f"move to {self.url(dst)} from", src):
             self.backend.move(self.path(src), self.path(dst))
 
     def copy(self, src: str, dst: str) -> None:
         """Copy one object (S3: a server-side copy)."""
+        self._forget(dst)
         with self._errors(f"copy to {self.url(dst)} from", src):
             self.backend.copy(self.path(src), self.path(dst))
 
     def copy_folder(self, src: str, dst: str) -> int:
         """Copy every file under `src` to the same relative path under `dst`; returns count."""
         files = self.find(src)
+        self._forget(dst, recursive=True)
         for f in files:
             rel = posixpath.relpath(f, src.strip("/"))
             with self._errors(f"copy to {self.url(dst)} from", f):
@@ -198,6 +241,7 @@ class Store:
 
     # ---- local files --------------------------------------------------------------------
     def put_file(self, local_path, key: str) -> None:
+        self._forget(key)
         with self._errors("upload to", key):
             self.fs.put_file(str(local_path), self.path(key))
 

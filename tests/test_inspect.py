@@ -62,6 +62,7 @@ def test_inspect_step_numbers_match_parquet(run, capsys):
     assert st["rollout"]["response_length"]["clip_ratio"] == pytest.approx(
         sum(n == MAX_RESPONSE for n in lengths) / 6)
     assert st["rollout"]["timings"]["generate_s"] == 1.5
+    assert s["time_s"]["generate"] == 1.5 and s["time_s"]["update_train"] is None  # not recorded here
     ent = flat(logprob, "entropy")
     assert st["logprob"]["metrics"]["entropy/token_mean"] == pytest.approx(sum(ent) / len(ent))
     assert st["logprob"]["metrics"]["kl_old_ref_k1/token_mean"] == pytest.approx(0.05, abs=1e-6)
@@ -86,6 +87,21 @@ def test_inspect_step_numbers_match_parquet(run, capsys):
     assert best["advantage"] == pytest.approx(2 / 3)
     assert (worst["uid"], worst["sample_index"], worst["advantage"]) == ("p1", 2, pytest.approx(-2 / 3))
     assert best["response"] == rollout.column("response").to_pylist()[0]
+
+
+def test_time_split_by_hand():
+    from flows.step_report import time_split
+
+    metrics = {"timing_s/rollout": 0.50, "timing/generate_s": 0.45, "timing_s/logprob": 0.01,
+               "timing_s/reward": 0.03, "timing_s/advantage": 0.02, "timing_s/update": 0.70,
+               "timing/update_compute_s": 0.66, "timing_s/step": 1.30}
+    assert time_split(metrics) == pytest.approx({
+        "generate": 0.45, "update_train": 0.66, "rollout_other": 0.05, "logprob": 0.01, "reward": 0.03,
+        "advantage": 0.02, "update_other": 0.04, "orchestration": 0.04, "outside_generate_and_train": 0.19,
+        "step": 1.30})
+    # logprob and reward side by side: their seconds overlap, the orchestration part goes negative
+    assert time_split({**metrics, "timing_s/step": 1.25})["orchestration"] == pytest.approx(-0.01)
+    assert time_split({"timing/generate_s": 0.45})["rollout_other"] is None
 
 
 def test_inspect_text_and_overview(run, capsys):

@@ -203,6 +203,16 @@ def test_artifact_without_manifest_is_incomplete(store, layout):
         artifacts.read_table(store, layout, 0, "logprob")
 
 
+def test_tables_this_process_committed_are_read_back_without_decoding(store, layout):
+    write_step(store, layout, 0, ("rollout", "logprob"))
+    first = artifacts.read_table(store, layout, 0, "logprob")
+    assert artifacts.read_table(store, layout, 0, "logprob") is first  # the table written, kept
+    key = layout.artifact(0, "logprob")
+    store.write_bytes(key, store.read_bytes(key))  # any write through a Store forgets it
+    again = artifacts.read_table(store, layout, 0, "logprob")
+    assert again is not first and again.equals(first)
+
+
 def test_corruption_detected(store, layout):
     write_step(store, layout, 0, ("rollout", "logprob"))
     key = layout.artifact(0, "logprob")

@@ -92,9 +92,10 @@ def main() -> int:
     args = parser.parse_args()
 
     rows_per_step = args.prompts * args.n
-    if rows_per_step % args.micro_batch:
-        raise SystemExit(f"--micro-batch {args.micro_batch} must divide the {rows_per_step} rows of a step")
-    accumulation = rows_per_step // args.micro_batch
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: one process per rank (gloo on CPU)
+    if rows_per_step % (args.micro_batch * world):
+        raise SystemExit(f"--micro-batch {args.micro_batch} x {world} ranks must divide the {rows_per_step} rows of a step")
+    accumulation = rows_per_step // (args.micro_batch * world)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -150,6 +151,7 @@ def main() -> int:
                      for name, table in phases.items()},
         "logs": logged,
         "prompt_tokens": {"min": min(lengths), "max": max(lengths)},
+        "world_size": world,
         "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                     "torch.get_num_threads": torch.get_num_threads()},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
@@ -163,7 +165,8 @@ def main() -> int:
                    "gradient_checkpointing": config.gradient_checkpointing,
                    "scale_rewards": config.scale_rewards, "top_k": config.top_k},
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

@@ -81,6 +81,8 @@ def run_inspect(args) -> int:
     print(f"run {view.name} step {args.step}: {summary['status']}")
     for name, sec in summary["stages"].items():
         print_stage(name, sec)
+    if summary.get("time_s"):  # where the step's seconds went (flows.step_report.time_split)
+        print(f"  time (s)  {_kv({k: v for k, v in summary['time_s'].items() if v is not None})}")
     for kind in ("best", "worst"):
         for s in summary.get("samples", {}).get(kind, []):
             print(f"  {kind:5s} uid={s['uid']} sample={s['sample_index']} score={_fmt(s['score'])} "

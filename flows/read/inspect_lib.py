@@ -252,9 +252,37 @@ def step_summary(view, step: int, stage: str = None, n_samples: int = 2) -> dict
         if section["status"] == "complete":
             section.update(STAGE_METRICS[name](view, step))
         out["stages"][name] = section
+    if stage is None:
+        out["time_s"] = stored_time_split(view, step)
     if (stage in (None, "reward")) and status["rollout"] and status["reward"]:
         out["samples"] = samples(view, step, n_samples)
     return out
+
+
+# the seconds each stage's manifest records for its own work (its storage writes included)
+STAGE_SECONDS = {"rollout": ("rollout_s", "table_s", "storage_write_s"), "logprob": ("logprob_s", "storage_write_s"),
+                 "reward": ("score_s", "storage_write_s"), "advantage": ("adv_s", "storage_write_s"),
+                 "update": ("timing/update_s",)}
+
+
+def stored_time_split(view, step: int) -> dict:
+    """flows.step_report.time_split of a step from what its manifests record: generation, the
+    update's train loop and each stage's own seconds (the flow's step time and orchestration are
+    not stored: the console line and bench/step.py have them)."""
+    from flows.step_report import time_split
+
+    metrics = {}
+    for stage, keys in STAGE_SECONDS.items():
+        manifest = view.manifest(step, stage)
+        timings = (manifest or {}).get("timings") or {}
+        parts = [timings[k] for k in keys if isinstance(timings.get(k), (int, float))]
+        if parts:
+            metrics[f"timing_s/{stage}"] = sum(parts)
+        if stage == "rollout" and isinstance(timings.get("generate_s"), (int, float)):
+            metrics["timing/generate_s"] = timings["generate_s"]
+        if stage == "update" and isinstance(timings.get("timing/update_compute_s"), (int, float)):
+            metrics["timing/update_compute_s"] = timings["timing/update_compute_s"]
+    return time_split(metrics)
 
 
 def overview_row(view, step: int) -> dict:

@@ -112,29 +112,36 @@ def _hidden_states(model, batch):
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def _chunk_stats(head, hidden, targets, temperature: float, with_entropy: bool, with_sum_pi_squared: bool = False):
+def _chunk_stats(head, hidden, targets, temperature: float, with_entropy: bool, with_sum_pi_squared: bool = False,
+                 entropy_grad: bool = True):
     logits = head(hidden).float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     # Σ_v π_v² = exp(logsumexp(2·logits) - 2·logsumexp(logits)) (verl calculate_sum_pi_squared_from_logits)
     sum_pi_squared = torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * lse) if with_sum_pi_squared else None
     return logp, entropy, sum_pi_squared
 
 
 def response_log_probs(model, batch, temperature: float = 1.0, with_entropy: bool = False,
-                       chunk_size: int = DEFAULT_CHUNK):
+                       chunk_size: int = DEFAULT_CHUNK, entropy_grad: bool = True):
     """(log_probs, entropy or None): response_stats without Σπ²."""
-    log_probs, entropy, _ = response_stats(model, batch, temperature, with_entropy, chunk_size=chunk_size)
+    log_probs, entropy, _ = response_stats(model, batch, temperature, with_entropy, chunk_size=chunk_size,
+                                           entropy_grad=entropy_grad)
     return log_probs, entropy
 
 
 def response_stats(model, batch, temperature: float = 1.0, with_entropy: bool = False,
-                   chunk_size: int = DEFAULT_CHUNK, with_sum_pi_squared: bool = False):
+                   chunk_size: int = DEFAULT_CHUNK, with_sum_pi_squared: bool = False, entropy_grad: bool = True):
     """(log_probs (bs, R), entropy (bs, R) or None, Σ_v π_v² (bs, R) or None) of the response
     tokens under `model`, logits divided by `temperature`. The vocab projection runs over at most
     `chunk_size` positions at a time (never a full-vocab log-softmax of the whole micro-batch); with gradients each chunk is
-    recomputed in backward (activation checkpointing), so memory follows the chunk. Padded
+    recomputed in backward (activation checkpointing), so memory follows the chunk.
+    entropy_grad=False: the entropy is a metric only (no entropy term in the loss), computed
+    outside the autograd graph. Padded
     response positions are 0. `batch` from binning.collate_bins (whole sequences in tensor rows,
     attention kept inside each sequence by restarting position_ids) or batching.collate."""
     if temperature <= 0:
@@ -150,17 +157,17 @@ def response_stats(model, batch, temperature: float = 1.0, with_entropy: bool = 
         flat_t = batch["input_ids"][:, P:P + R].reshape(-1)
     head = model.get_output_embeddings()
     use_ckpt = torch.is_grad_enabled() and flat_h.requires_grad
-    logps, ents, pi2s = [], [], []
     step = max(1, int(chunk_size))
+    logps, ents, pi2s = [], [], []
     for s in range(0, flat_h.shape[0], step):
         h, t = flat_h[s:s + step], flat_t[s:s + step]
         if use_ckpt:
             from torch.utils.checkpoint import checkpoint
 
             lp, en, p2 = checkpoint(_chunk_stats, head, h, t, temperature, with_entropy, with_sum_pi_squared,
-                                    use_reentrant=False)
+                                    entropy_grad, use_reentrant=False)
         else:
-            lp, en, p2 = _chunk_stats(head, h, t, temperature, with_entropy, with_sum_pi_squared)
+            lp, en, p2 = _chunk_stats(head, h, t, temperature, with_entropy, with_sum_pi_squared, entropy_grad)
         logps.append(lp)
         if with_entropy:
             ents.append(en)

@@ -5,11 +5,13 @@ custom_reward_function file) costs far more than scoring one step's rows, so a t
 one pool and scores every step's batch (and validation) through it. What a one-shot
 `score_batch` guarantees is kept per row:
 
-- per-sample timeout: rows go to a worker in chunks, but the worker reports every finished row and
-  the deadline of the row in progress restarts at each report; on a timeout that row scores 0
-  (counted in reward/timeouts), the worker is killed and replaced, and the rest of its chunk goes
-  back to the queue for another worker;
-- isolation: a worker that dies fails only the row it was scoring and is replaced;
+- per-sample timeout: rows go to a worker in chunks and come back in one message per chunk, while
+  the worker counts its finished rows in shared memory; the deadline of the row in progress
+  restarts whenever a row finishes; on a timeout that row scores 0 (counted in reward/timeouts),
+  the worker is killed and replaced, and the other rows of its chunk (those it finished too: their
+  results died with it) go back to the queue for another worker;
+- isolation: a worker that dies fails only the row it was scoring (its shared count says which)
+  and is replaced;
 - the user's reward file is watched (size, mtime, inode; then its SHA-256 when those change): an
   edit between steps or before a resume restarts the workers so they import the new code, as the
   reward stage's fingerprint already changed with the file's content. Modules that file imports
@@ -42,9 +44,11 @@ WORKER_EXIT_GRACE_S = 2.0   # a worker asked to exit that has not within this is
 MAX_CHUNK_ROWS = 64         # rows per message; chunks also shrink as the queue empties (balance)
 
 
-def _worker_main(conn, spec: RewardFnSpec) -> None:
-    """Worker process: load the function, say ready, then score chunks of (index, row), sending
-    one result per row as soon as it is scored, until EOF or None."""
+def _worker_main(conn, spec: RewardFnSpec, progress=None) -> None:
+    """Worker process: load the function, say ready, then score chunks of (index, row) until EOF
+    or None. Each chunk's results go back in one message at its end; meanwhile `progress` (shared
+    memory: rows of the chunk finished, monotonic time of the last) tells the parent which row is
+    in progress, so its per-row deadline and the blame for a death stay per row."""
     try:
         fn = load_reward_fn(spec)
     except Exception as exc:
@@ -58,14 +62,25 @@ def _worker_main(conn, spec: RewardFnSpec) -> None:
             return
         if chunk is None:
             return
+        results = []
         for index, row in chunk:
-            outcome = score_row(fn, row)
-            try:
-                conn.send(("result", index, outcome))
-            except OSError:   # the parent is gone
-                return
-            except Exception as exc:  # e.g. extras that cannot be pickled (nothing was written)
-                conn.send(("result", index, _failed(f"result could not be sent back: {describe_error(exc)}")))
+            results.append((index, score_row(fn, row)))
+            if progress is not None:
+                progress[1] = time.monotonic()
+                progress[0] = len(results)
+        try:
+            conn.send(("results", results))
+        except OSError:   # the parent is gone
+            return
+        except Exception:  # noqa: BLE001 - e.g. extras that cannot be pickled: row by row
+            for index, outcome in results:  # nothing was written: pickling fails before any byte
+                try:
+                    conn.send(("results", [(index, outcome)]))
+                except OSError:
+                    return
+                except Exception as exc:  # noqa: BLE001
+                    conn.send(("results", [(index, _failed(f"result could not be sent back: "
+                                                           f"{describe_error(exc)}"))]))
 
 
 class _Worker:
@@ -74,28 +89,52 @@ class _Worker:
 
     def __init__(self, context, spec: RewardFnSpec):
         self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child_conn, spec), daemon=True)
+        self.progress = context.Array("d", 2, lock=False)  # [rows of the chunk done, time of the last]
+        self.process = context.Process(target=_worker_main, args=(child_conn, spec, self.progress), daemon=True)
         self.process.start()
         child_conn.close()
         self.ready = False
         self.started_at = time.monotonic()
         self.assigned: deque[int] = deque()
-        self.deadline = math.inf
+        self.chunk_done = 0  # rows of the current chunk already reported
+        self.assigned_at = math.inf
 
     def assign(self, indices: list[int], rows: Sequence[Mapping], timeout_s: float) -> None:
-        self.assigned, self.deadline = deque(indices), time.monotonic() + timeout_s
+        self.progress[0], self.progress[1] = 0.0, 0.0  # the worker is idle: no race
+        self.assigned, self.chunk_done, self.assigned_at = deque(indices), 0, time.monotonic()
         try:
             self.conn.send([(i, dict(rows[i])) for i in indices])
         except OSError:  # the process is gone; its closed pipe is reported by the next wait()
             pass
 
+    def deadline(self, timeout_s: float) -> float:
+        """When the row in progress times out: timeout_s after the chunk was sent or after the
+        worker last finished a row (its shared progress), whichever is later."""
+        if not self.assigned:
+            return math.inf
+        return max(self.assigned_at, self.progress[1]) + timeout_s
+
+    def in_progress(self) -> int:
+        """How many of the rows still assigned the worker finished before the one it is on (their
+        results are in its memory until the chunk ends)."""
+        return min(len(self.assigned) - 1, max(0, int(self.progress[0]) - self.chunk_done))
+
     def reported(self, index: int, timeout_s: float) -> None:
-        """A result came back: the next row of the chunk gets a fresh deadline."""
+        """A result came back."""
         if not self.assigned or self.assigned[0] != index:
             raise RewardScoringError(f"reward worker {self.process.pid} reported row {index}, "
                                      f"expected {self.assigned[0] if self.assigned else 'none'}")
         self.assigned.popleft()
-        self.deadline = time.monotonic() + timeout_s if self.assigned else math.inf
+        self.chunk_done += 1
+
+    def take_failed(self, pending: deque) -> int:
+        """The worker is killed or died: the row it was on (returned, to be blamed); the rows it
+        finished but had not reported yet and the rows after it go back to `pending`."""
+        rows = list(self.assigned)
+        k = self.in_progress()
+        pending.extendleft(reversed(rows[:k] + rows[k + 1:]))
+        self.assigned.clear()
+        return rows[k]
 
     def request_exit(self) -> None:
         """Ask an idle worker to exit normally (its atexit handlers run); kill a busy one."""
@@ -308,7 +347,7 @@ class ScorerPool:
             for worker in self._workers:
                 if worker.ready and not worker.assigned and pending:
                     worker.assign(self._chunk(pending), rows, self.timeout_s)
-            deadline = min(w.deadline if w.ready else w.started_at + WORKER_STARTUP_TIMEOUT_S
+            deadline = min(w.deadline(self.timeout_s) if w.ready else w.started_at + WORKER_STARTUP_TIMEOUT_S
                            for w in self._workers)
             by_conn = {w.conn: w for w in self._workers}
             timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
@@ -316,9 +355,8 @@ class ScorerPool:
                 self._receive(by_conn[conn], pending, record)
             now = time.monotonic()
             for worker in list(self._workers):
-                if worker.assigned and now >= worker.deadline and not worker.conn.poll():
-                    index = worker.assigned.popleft()
-                    pending.extendleft(reversed(worker.assigned))  # the rest of the chunk: next
+                if worker.assigned and now >= worker.deadline(self.timeout_s) and not worker.conn.poll():
+                    index = worker.take_failed(pending)  # the rest of the chunk: next
                     self._replace(worker)
                     record(index, _failed(f"timeout: scoring took longer than {self.timeout_s}s "
                                           "(worker killed)"), kind="timeouts")
@@ -336,9 +374,10 @@ class ScorerPool:
                 message = ("died",)
             if message[0] == "ready":
                 worker.ready = True
-            elif message[0] == "result":
-                worker.reported(message[1], self.timeout_s)
-                record(message[1], message[2])
+            elif message[0] == "results":
+                for index, outcome in message[1]:
+                    worker.reported(index, self.timeout_s)
+                    record(index, outcome)
             elif message[0] == "load_error":
                 self._discard(worker)
                 raise RewardScoringError(f"reward worker could not load the function: {message[1]}")
@@ -348,9 +387,7 @@ class ScorerPool:
                     self._workers.remove(worker)
                     raise RewardScoringError(f"reward worker exited during startup "
                                              f"(exit code {worker.process.exitcode})")
-                index = worker.assigned.popleft() if worker.assigned else None
-                pending.extendleft(reversed(worker.assigned))
-                worker.assigned.clear()
+                index = worker.take_failed(pending) if worker.assigned else None
                 self._workers[self._workers.index(worker)] = _Worker(self._context, self._worker_spec)
                 if index is not None:
                     record(index, _failed(f"reward worker process died while scoring "

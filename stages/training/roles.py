@@ -97,7 +97,8 @@ class ActorRole(Role):
         mask = batch["response_mask"].float()
         tokens = float(mask.sum())
         log_prob, entropy = response_log_probs(self.engine.module, batch,
-                                               ctx.get("actor_rollout_ref.rollout.temperature"), with_entropy=True)
+                                               ctx.get("actor_rollout_ref.rollout.temperature"), with_entropy=True,
+                                               entropy_grad=bool(cfg.get("entropy_coeff", 0.0)))
         old = log_prob.detach() if self.plan["on_policy"] else job.per_token(part, "old_log_probs", R)
         job.keep_forward(part, old, entropy)
         adv = job.per_token(part, "advantages", R)

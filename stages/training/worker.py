@@ -138,33 +138,34 @@ class UpdateJob:
 
     # ---- data ---------------------------------------------------------------------------------
     def rank_rows(self, ctx) -> list[dict]:
-        """This rank's rows (balance_batch partition when trainer.balance_batch)."""
+        """This rank's rows (balance_batch partition when trainer.balance_batch): the columns the
+        roles read, as Python values (only those columns are converted)."""
         from storage.artifacts import read_table
 
-        tables = {name: read_table(ctx.store, ctx.layout, ctx.step, name).to_pydict()
-                  for name in ("rollout", "logprob", "advantage")}
-        n = len(tables["rollout"]["prompt_ids"])
-        for name, t in tables.items():
-            rows = len(next(iter(t.values()))) if t else 0
-            if rows != n:
-                raise ValueError(f"step {ctx.step}: {name}.parquet has {rows} rows, rollout.parquet {n}")
-        dp = self.actor.plan["dp_size"]
-        seqlens = [len(p) + len(r) for p, r in zip(tables["rollout"]["prompt_ids"], tables["rollout"]["response_ids"])]
-        if ctx.get("trainer.balance_batch"):
-            parts = batching.balance_partitions(seqlens, dp)
-        else:
-            per = n // dp
-            parts = [list(range(r * per, (r + 1) * per)) for r in range(dp)]
         cols = {"prompt_ids": "rollout", "response_ids": "rollout", "advantages": "advantage",
                 "returns": "advantage"}
         for role in self.roles:
             cols.update(role.columns())
+        tables = {name: read_table(ctx.store, ctx.layout, ctx.step, name) for name in ("rollout", "logprob", "advantage")}
+        n = tables["rollout"].num_rows
+        for name, t in tables.items():
+            rows = t.num_rows if t.num_columns else 0
+            if rows != n:
+                raise ValueError(f"step {ctx.step}: {name}.parquet has {rows} rows, rollout.parquet {n}")
         for c, t in cols.items():
-            if c not in tables[t]:
+            if c not in tables[t].column_names:
                 raise ValueError(f"step {ctx.step}: {t}.parquet has no {c!r} column, needed by the update")
+        values = {c: tables[t].column(c).to_pylist() for c, t in cols.items()}
+        dp = self.actor.plan["dp_size"]
+        if ctx.get("trainer.balance_batch"):
+            seqlens = [len(p) + len(r) for p, r in zip(values["prompt_ids"], values["response_ids"])]
+            parts = batching.balance_partitions(seqlens, dp)
+        else:
+            per = n // dp
+            parts = [list(range(r * per, (r + 1) * per)) for r in range(dp)]
         rows = []
         for i in parts[self.rank]:
-            row = {c: tables[t][c][i] for c, t in cols.items()}
+            row = {c: v[i] for c, v in values.items()}
             row["index"] = i
             rows.append(row)
         return rows
