@@ -3,7 +3,8 @@ trains with configs/tiny-cpu.yaml through the `rl-train` Prefect flow (a warm st
 2 CPU ranks, 720 rows per step), then prints the mean reward per step, whether it learned, where
 the artifacts are and the commands to look at them.
 
-Learning criterion (issue 9): mean reward of the last 5 steps >= 2x the first 5 and >= 0.5.
+Learning criterion (issue 9): mean reward of the last 5 steps >= 2x the first 5 and >= 0.5 (a
+shorter run, e.g. `python -m flows.demo trainer.total_training_steps=3`, gets no verdict).
 Rerunning it resumes the same experiment (complete steps are skipped), so it is cheap to repeat.
 """
 from __future__ import annotations
@@ -54,9 +55,9 @@ def report(cfg, rewards, seconds: float) -> bool:
     print("\nmean reward per step:")
     for step, value in rewards:
         print(f"  step {step:3d}  {value:.3f}  {'#' * round(value * 50)}")
-    if len(rewards) < 10:
+    if len(rewards) < 10:  # a short demo (e.g. `python -m flows.demo trainer.total_training_steps=3`)
         print("fewer than 10 steps: no learning verdict")
-        return False
+        return True
     first = sum(v for _, v in rewards[:5]) / 5
     last = sum(v for _, v in rewards[-5:]) / 5
     ok = last >= 2 * first and last >= 0.5

@@ -13,7 +13,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("pathlib").Path(__f
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """tests/test_readme.py (the README's deployment block: a Prefect server, a worker and a
-    2-step run in subprocesses, ~5 min on 2 cores) first, so that with `-n 2 --dist loadfile` it
-    runs beside other files instead of alone at the end of the suite."""
+    """tests/test_readme.py (the whole README in order: a 3-step demo, the tour's runs, forks and
+    its Prefect deployment in subprocesses, the longest file) first, so that with `-n 2 --dist
+    loadfile` it runs beside other files instead of alone at the end of the suite."""
     items.sort(key=lambda item: 0 if item.path.name == "test_readme.py" else 1)

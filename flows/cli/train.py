@@ -130,10 +130,15 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
                 if not preexisting_fork(store, cfg, fork):
                     check_fork(store, cfg, plan, fork)
             else:  # a rerun: a changed config refused, a total at or below the steps done has nothing to run
-                from flows.rerun import check_rerun
+                from flows.rerun import RunConfigChanged, check_rerun
                 from storage.store import Store
 
-                nothing = check_rerun(Store.from_config(cfg["storage"]), RunLayout.from_config(cfg), cfg)
+                try:
+                    nothing = check_rerun(Store.from_config(cfg["storage"]), RunLayout.from_config(cfg), cfg)
+                except RunConfigChanged:
+                    raise
+                except Exception:  # noqa: BLE001 - e.g. the store not reachable yet: the flow checks again
+                    nothing = None
                 if nothing:
                     print(nothing)
                     return 0
