@@ -318,6 +318,11 @@ def test_cli_plan_json_keys(capsys):
                 "log_prob_micro_batch_size_per_gpu", "log_prob_micro_batches_per_rank", "log_prob_use_dynamic_bsz"]:
         assert key in plan["rollout"]
     assert plan["rollout"]["log_prob_micro_batches_per_rank"] == 15
+    assert plan["update_engine"]["engine"] == "DeepSpeed ZeRO-2, fp32, torch AdamW, 6 ranks"
+    assert "shards the optimizer state and gradients over the 6 ranks" in plan["update_engine"]["why"]
+    assert main(["plan", "--config", "tiny-cpu", "trainer.n_gpus_per_node=1"]) == 0
+    assert "update engine: DeepSpeed ZeRO-2, fp32, torch AdamW, 1 rank: at one rank ZeRO shards nothing" in \
+        capsys.readouterr().out
 
 
 def test_cli_refusal_exits_2_with_json_error(capsys):
