@@ -144,10 +144,9 @@ def sample_rows(ctx, n: int = 3) -> list[dict]:
 
 
 def publish_step(ctx, summaries: dict) -> dict:
-    """A markdown artifact (metrics, timings, samples), a table of samples and a link per stage
-    parquet, keyed per experiment so Prefect versions them over steps."""
-    from prefect.artifacts import (create_link_artifact, create_markdown_artifact,
-                                   create_table_artifact)
+    """A markdown artifact (stages, metrics, samples, a link to each stage's parquet) and a table
+    of samples, keyed per experiment so Prefect versions them over steps."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     step = ctx.step
     slug = artifact_slug(ctx.layout)
@@ -165,16 +164,15 @@ def publish_step(ctx, summaries: dict) -> dict:
     for row in samples:
         lines += [f"- **{row['uid']}** score {row['score']}: `{_md(row['prompt'])}` → "
                   f"`{_md(row['response'])}`"]
+    lines += ["", "## parquet", ""]  # one report, not a link artifact per file: each is an API
+    for stage in STAGES:                # call and server work beside the next step's stages
+        for name, path in ((summaries.get(stage) or {}).get("paths") or {}).items():
+            if name.endswith(".parquet"):
+                lines.append(f"- {stage}: [{name}]({ctx.store.url(path)})")
     create_markdown_artifact(key=f"{slug}-step", markdown="\n".join(lines),
                              description=f"{ctx.layout.base} step {step}")
     create_table_artifact(key=f"{slug}-samples", table=samples,
                           description=f"first rows of step {step}")
-    for stage in STAGES:
-        for name, path in ((summaries.get(stage) or {}).get("paths") or {}).items():
-            if name.endswith(".parquet"):
-                create_link_artifact(key=f"{slug}-{stage}", link=ctx.store.url(path),
-                                     link_text=f"step {step} {name}",
-                                     description=f"{ctx.layout.base} step {step} {stage}")
     return metrics
 
 
