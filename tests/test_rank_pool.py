@@ -3,6 +3,7 @@
 Real torchrun jobs with 2 gloo ranks: each pool start costs ~10 s, each per-call launch 6-13 s."""
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from _pool_steps import run_steps
-from stages.ranks.pool import RankPool
+from stages.ranks.pool import RankPool, launcher_ranks
 from stages.model.tiny import save_tiny_model
 from flows.step import is_retryable
 from storage.artifacts import read_file, read_manifest, read_table
@@ -71,6 +72,23 @@ def test_jobs_failure_dead_rank_restart_and_close(tmp_path, monkeypatch):
     assert not pool.alive()
 
 
+def test_a_rank_killed_during_a_job_is_named(tmp_path):
+    """Rank 1 SIGKILLed while a 60 s job runs: the job fails within seconds, naming the rank, its
+    pid, its host and how it died (torchrun's first observed failure); the next job runs on a
+    fresh pool."""
+    with RankPool(2, "cpu", tmp_path / "pool") as pool:
+        pids = [r["pid"] for r in pool.submit("tests._pool_jobs", {"message": "hi"})]
+        threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            pool.submit("tests._pool_jobs", {"message": "long", "sleep_s": 60}, timeout_s=120)
+        assert time.monotonic() - t0 < 30
+        assert (f"tests._pool_jobs on the rank pool (2 ranks): rank 1 (pid {pids[1]}, host {socket.getfqdn()}) "
+                f"died (killed by SIGKILL); the pool was stopped" in str(err.value)), str(err.value)[:2000]
+        again = pool.submit("tests._pool_jobs", {"message": "after"})
+        assert pool.starts == 2 and set(r["pid"] for r in again).isdisjoint(pids)
+
+
 def test_a_frozen_rank_is_reported_within_its_heartbeat_timeout(tmp_path):
     """A rank SIGSTOPped during a 120 s job: reported after about heartbeat_timeout_s (5 s here),
     naming the rank, its pid and its stopped state, not at the job timeout; the next job runs on
@@ -88,6 +106,34 @@ def test_a_frozen_rank_is_reported_within_its_heartbeat_timeout(tmp_path):
         assert gone(pids[1], 30) and gone(pids[0], 30)
         again = pool.submit("tests._pool_jobs", {"message": "after"})
         assert pool.starts == 2 and set(r["pid"] for r in again).isdisjoint(pids)
+
+
+def test_a_rank_blocked_in_its_set_up_is_named_within_the_start_timeout(tmp_path):
+    """Rank 1 stopped (SIGSTOP) as soon as torchrun started it, before it could write its ready
+    file (rank 0 then waits for it in the process group): the first job fails rank_start_timeout_s
+    (8 s here) after the start, naming rank 1, its pid, its host and its stopped state, not at the
+    job timeout; no rank process is left behind."""
+    pool = RankPool(2, "cpu", tmp_path / "pool", start_timeout_s=8)
+    try:
+        pool.start(wait=False)
+        deadline = time.monotonic() + 20
+        while 1 not in launcher_ranks(pool.proc.pid):
+            assert time.monotonic() < deadline, "torchrun started no rank 1"
+            time.sleep(0.01)
+        pids = launcher_ranks(pool.proc.pid)
+        os.kill(pids[1], signal.SIGSTOP)
+        assert not (tmp_path / "pool" / "ready_1").exists()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            pool.submit("tests._pool_jobs", {"message": "hi"}, timeout_s=600)
+        assert time.monotonic() - t0 < 15
+        text = str(err.value)
+        assert (f"rank pool: rank 0 (pid {pids[0]}, host {socket.gethostname()}, process state "
+                in text and f"rank 1 (pid {pids[1]}, host {socket.gethostname()}, process state T (stopped)) "
+                "not ready 8 s after the start (orchestration.rank_start_timeout_s)" in text), text[:2000]
+    finally:
+        pool.close()
+    assert gone(pids[0], 30) and gone(pids[1], 30)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ threads and passed fds; a 2-rank gloo pool forked from it runs jobs, survives a 
 leaves nothing behind; an hf rollout worker forked from it gives the same rows as a fresh one."""
 import os
 import signal
+import socket
+import threading
 import time
 
 import pytest
@@ -126,3 +128,17 @@ def test_a_rank_pool_forked_from_the_zygote(zygote, tmp_path):
         new = [r["pid"] for r in restarted] + [pool.proc.pid]
     for pid in pids + new + [leader]:
         assert gone(pid), f"process {pid} is still running after close()"
+
+
+def test_a_rank_of_a_forked_pool_killed_during_a_job_is_named(zygote, tmp_path):
+    """The forked group's leader says which rank died first: the job fails naming its rank, pid,
+    host and signal."""
+    with RankPool(2, "cpu", tmp_path / "pool", spawner=zygote) as pool:
+        pids = [r["pid"] for r in pool.submit("tests._pool_jobs", {"message": "hi"})]
+        threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            pool.submit("tests._pool_jobs", {"message": "long", "sleep_s": 60}, timeout_s=120)
+        assert time.monotonic() - t0 < 30
+        assert (f"rank 1 (pid {pids[1]}, host {socket.gethostname()}) died (killed by SIGKILL)"
+                in str(err.value)), str(err.value)[:2000]

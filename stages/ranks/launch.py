@@ -50,7 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stages.ranks.procs import REPO_ROOT, context_payload, free_port, job_error, kill_group
+from stages.ranks.procs import REPO_ROOT, context_payload, dead_rank, free_port, job_error, kill_group
 from stages.scratch import scratch_prefix
 
 STDERR_TAIL = 4000
@@ -123,7 +123,9 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
         if rc != 0 or errors:
             detail = "".join(f"--- {e.stem.replace('_', ' ')} ---\n{e.read_text()[-STDERR_TAIL:]}\n"
                              for e in errors)
-            raise job_error(f"{module} failed on {world} ranks ({launcher}, exit code {rc}).\n{detail}"
+            died = dead_rank(err_f.read_text(errors="replace")) if err_f.exists() else None
+            raise job_error(f"{module} failed on {world} ranks ({launcher}, exit code {rc})"
+                            f"{': ' + died if died else ''}.\n{detail}"
                             f"--- stderr tail ---\n{_tail(err_f)}", [e.read_text() for e in errors])
         results_file = tmp / RESULTS_FILE
         if not results_file.exists():

@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 
 from stages.scratch import scratch_dir
-from stages.ranks.procs import REPO_ROOT, context_payload, free_port, job_error, kill_group
+from stages.ranks.procs import REPO_ROOT, context_payload, dead_rank, free_port, job_error, kill_group
 
 ERROR_TAIL = 4000
 
@@ -148,12 +149,43 @@ class RankPool:
                 raise RuntimeError(f"rank pool did not start (launcher exit code {self.proc.returncode}); "
                                    f"stderr tail:\n{self._stderr_tail()}")
             if time.monotonic() > deadline:
+                waiting, blocked = self.not_ready()
+                for pid in blocked:  # first: torchrun would wait for a stopped rank to act on its TERM
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 self._stop_process()
-                raise RuntimeError(f"rank pool: ranks not ready after {self.start_timeout_s} s; "
+                raise RuntimeError(f"rank pool: {waiting} not ready {self.start_timeout_s:g} s after the start "
+                                   f"(orchestration.rank_start_timeout_s): blocked in its set-up (imports, "
+                                   f"the process group with its peers); the pool was stopped. "
                                    f"stderr tail:\n{self._stderr_tail()}")
             time.sleep(0.05)
         if not (self.work_dir / "pool.json").exists():
             self._write_pool_json()
+
+    def not_ready(self) -> tuple[str, list]:
+        """The ranks without their ready file, named: "rank 1 (pid P, host H, process state T
+        (stopped))" (the pid of a rank process found under the launcher on this machine), and
+        their pids."""
+        pids = self._launcher_ranks()
+        host = socket.gethostname()
+        named, blocked = [], []
+        for rank in range(self.world):
+            if (self.work_dir / f"ready_{rank}").exists():
+                continue
+            pid = pids.get(rank)
+            blocked += [pid] if pid else []
+            named.append(f"rank {rank} (pid {pid}, host {host}, process state {process_state(pid)})" if pid
+                         else f"rank {rank} (host {host if self.hostfile is None else 'of ' + str(self.hostfile)})")
+        return ", ".join(named) or "no rank", blocked
+
+    def _launcher_ranks(self) -> dict:
+        """launcher_ranks of this pool's launcher ({} for a multi-node one or none started)."""
+        if self.proc is None or self.hostfile is not None:
+            return {}
+        pid = self.proc._pid if hasattr(self.proc, "_pid") else self.proc.pid  # a fork not made yet: None
+        return launcher_ranks(pid) if pid else {}
 
     def alive(self) -> bool:
         if not self.owner:
@@ -194,7 +226,8 @@ class RankPool:
     def _stop_process(self) -> None:
 
         if self.proc is not None:
-            ranks = self.rank_pids()
+            started = self._launcher_ranks() if self.proc.poll() is None else {}  # ready or not yet
+            ranks = set(self.rank_pids()) | set(started.values())
             kill_group(self.proc)  # also reaps ranks left in the session after torchrun exited
             self.proc = None
             for pid in ranks:  # torchrun runs each rank in its own process group: a stopped
@@ -277,7 +310,7 @@ class RankPool:
             if stuck or dead or late or frozen:
                 why = ("a rank failed and the others did not finish within "
                        f"{self.grace_s} s (waiting in a collective?)" if stuck else
-                       lost if lost else "a rank process died" if dead else frozen if frozen else
+                       lost if lost else self.dead_rank() if dead else frozen if frozen else
                        f"the job did not finish in {timeout_s} s")
                 detail = self._error_detail(errors)
                 if self.owner:
@@ -312,6 +345,29 @@ class RankPool:
         if found and int(found.group(2)) != 0:
             return f"host {found.group(1)}'s ranks ended (pdsh: ssh exited with exit code {found.group(2)})"
         return None
+
+    def dead_rank(self) -> str:
+        """Which rank process died: "rank R (pid P, host H) died (killed by SIGKILL)", as its
+        launcher (torchrun, the forked group's leader) reported the first failure on stderr; else
+        the ranks that were running (their pids and host)."""
+        path = self.work_dir / "stderr.txt"
+        text = ""
+        if path.exists():
+            with path.open("rb") as f:
+                f.seek(getattr(self, "_err_offset", 0))
+                text = f.read().decode(errors="replace")
+        found = dead_rank(text)
+        if found:
+            return found
+        running = ", ".join(f"rank {r} pid {pid}" for r, pid in enumerate(self._ready_pids()) if pid)
+        return f"a rank process died ({running or 'no rank was ready'}; host {socket.gethostname()})"
+
+    def _ready_pids(self) -> list:
+        out = []
+        for r in range(self.world):
+            path = self.work_dir / f"ready_{r}"
+            out.append(path.read_text().strip() if path.exists() else None)
+        return out
 
     def frozen_rank(self) -> str | None:
         """Why a rank counts as frozen (its heartbeat older than heartbeat_timeout_s), or None."""
@@ -348,6 +404,27 @@ class RankPool:
     def _stderr_tail(self) -> str:
         path = self.work_dir / "stderr.txt"
         return path.read_text(errors="replace")[-ERROR_TAIL:] if path.exists() else ""
+
+
+def launcher_ranks(launcher_pid: int) -> dict:
+    """{rank: pid} of the rank processes a launcher on this machine started: its child processes
+    (torchrun's, or a forked group leader's), each rank read from its RANK environment variable,
+    else (forked children keep the leader's environment block) from their order."""
+    children = []
+    for task in sorted(Path(f"/proc/{launcher_pid}/task").glob("*")):  # a child of any of its threads
+        try:
+            children += [int(p) for p in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    out = {}
+    for i, pid in enumerate(children):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), i)
+        except (OSError, ValueError):
+            rank = i
+        out.setdefault(rank, pid)
+    return out
 
 
 def process_state(pid: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,38 @@ STORAGE_ERRORS = ("storage.store.StoreError", "ConnectionError", "ConnectionRese
                   "botocore.exceptions.EndpointConnectionError", "botocore.exceptions.ConnectTimeoutError",
                   "botocore.exceptions.ReadTimeoutError", "aiohttp.client_exceptions.ClientConnectorError")
 NEVER_RETRIED = ("ValueError", "KeyError", "TypeError", "MemoryError", "torch.OutOfMemoryError")
+
+
+# How a launcher says which rank died first: torchrun's "Root Cause (first observed failure)" block
+# (torch.distributed.elastic: host, rank, exit code and pid), the fork server's group leader's line
+# (stages.ranks.zygote_server._lead_group).
+TORCHRUN_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?host\s*:\s*(\S+)\s*"
+                                 r"rank\s*:\s*(\d+)[^\n]*\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)", re.S)
+FORKED_RANK_EXIT = re.compile(r"zygote group: rank (\d+) \(pid (\d+), host (\S+)\) exited with code (-?\d+)")
+
+
+def exit_meaning(code: int) -> str:
+    """"killed by SIGKILL" for a negative exit code (a signal), else "exit code N"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def dead_rank(launcher_stderr: str) -> str | None:
+    """"rank R (pid P, host H) died (killed by SIGKILL)" for the first rank whose process ended
+    badly, from what its launcher (torchrun, or the fork server's group leader) wrote on stderr;
+    None when it says nothing of one."""
+    found = [(m.start(), m.group(2), m.group(4), m.group(1), int(m.group(3)))
+             for m in TORCHRUN_ROOT_CAUSE.finditer(launcher_stderr)]
+    found += [(m.start(), m.group(1), m.group(2), m.group(3), int(m.group(4)))
+              for m in FORKED_RANK_EXIT.finditer(launcher_stderr)]
+    if not found:
+        return None
+    _, rank, pid, host, code = min(found)
+    return f"rank {rank} (pid {pid}, host {host}) died ({exit_meaning(code)})"
 
 
 class RankStorageError(StoreError):

@@ -116,11 +116,12 @@ def _lead_group(group: dict, target: str, args: list) -> int:
         pid, status = os.wait()
         if pid not in ranks:
             continue
-        ranks.pop(pid)
+        rank = ranks.pop(pid)
         code = os.waitstatus_to_exitcode(status)
-        if code != 0 and result == 0:
+        if code != 0 and result == 0:  # the line stages.ranks.procs.dead_rank reads
             result = code if code > 0 else 128 - code
-            print(f"zygote group: rank exited with code {code}; stopping the others", file=sys.stderr, flush=True)
+            print(f"zygote group: rank {rank} (pid {pid}, host {socket.gethostname()}) exited with code {code}; "
+                  f"stopping the others", file=sys.stderr, flush=True)
             stop_ranks()
     return result
 
