@@ -5,13 +5,16 @@ sink registered there with @register_sink; what each writes is described there).
 tensorboard and wandb are dependencies of stagerl; a run naming a sink whose package is missing
 (an environment built without them) is refused before it starts, naming trainer.logger.
 Every stage's numbers are in the store whatever the sinks (`stagerl query`, `stagerl plot`).
+The console sink prints a short line per step (storage.sinks.short_line); every step's full set
+is logged at debug level (`PREFECT_LOGGING_LEVEL=DEBUG` shows it in the console and the flow
+run's log in Prefect).
 """
 from __future__ import annotations
 
 import importlib.util
 
 from configs.schema import ConfigError
-from storage.sinks import SINKS
+from storage.sinks import SINKS, log_line
 
 
 def sink_names(cfg: dict) -> list[str]:
@@ -47,6 +50,9 @@ class MetricSinks:
             raise
 
     def log(self, step: int, metrics: dict) -> None:
+        from flows.step import logger
+
+        logger().debug(log_line(step, metrics))  # the full set (the console shows a short line)
         for sink in self.sinks:
             sink.log(step, metrics)
 

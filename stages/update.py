@@ -138,7 +138,8 @@ def commit_later(ctx, work: Path, results: list, commit, launch_s: float, handof
     metrics = build_metrics(results, launch_s=launch_s, upload_s=0.0, handoff=handoff)
     metrics.update(engine_mismatch(ctx, results))
     scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {"stage": STAGE, "step": ctx.step, "fingerprint": fingerprint, "row_count": None, "files": {},
+    return {"stage": STAGE, "step": ctx.step, "fingerprint": fingerprint, "row_count": rows_trained(results),
+            "files": {},
             "timings": {}, "extra": {"metrics": scalars, "committing": "in the background"}}
 
 
@@ -209,7 +210,7 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
             files["update/log_probs.parquet"] = forward_log_probs_table(results, ctx.plan["rows_per_step"])
         metrics["timing/update_s"] = time.perf_counter() - t0
         manifest = write_stage(ctx.store, ctx.layout, ctx.step, STAGE, files,
-                               fingerprint=stage_fingerprint(ctx),
+                               fingerprint=stage_fingerprint(ctx), row_count=rows_trained(results),
                                inputs=ctx.input_fingerprints(INPUTS),
                                timings={k: v for k, v in metrics.items() if k.startswith("timing/")},
                                extra={"world": world, "roles": roles,
@@ -260,6 +261,12 @@ def store_kept_state(ctx) -> bool:
     finally:
         ctx.extra.pop("save_only", None)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def rows_trained(results: list) -> int:
+    """The rows the update trained on: the distinct rows of every rank's micro-batches (each role,
+    first PPO epoch). The manifest's row_count and the step report's rows."""
+    return len({row for r in results for rec in r["records"] if rec["epoch"] == 0 for row in rec["rows"]})
 
 
 def build_metrics(results: list, launch_s: float, upload_s: float, handoff=None) -> dict:

@@ -99,9 +99,10 @@ def upload_files(store: Store, layout: RunLayout, step: int, stage: str, files: 
 
 
 def write_manifest(store: Store, layout: RunLayout, step: int, stage: str, entries: dict, *,
-                   fingerprint: str, inputs=None, timings=None, extra=None) -> dict:
+                   fingerprint: str, inputs=None, timings=None, extra=None, row_count=None) -> dict:
     """Phase 2 of a commit: write the manifest (secrets removed). The stage is now complete."""
-    rows = [e["rows"] for e in entries.values() if e.get("rows") is not None]
+    rows = [row_count] if row_count is not None else [e["rows"] for e in entries.values()
+                                                      if e.get("rows") is not None]
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "project": layout.project, "experiment": layout.experiment,
@@ -123,18 +124,19 @@ def write_manifest(store: Store, layout: RunLayout, step: int, stage: str, entri
 
 
 def write_stage(store: Store, layout: RunLayout, step: int, stage: str, files: dict, *,
-                fingerprint: str, inputs=None, timings=None, extra=None) -> dict:
+                fingerprint: str, inputs=None, timings=None, extra=None, row_count=None) -> dict:
     """Write a stage's files atomically and commit them with a manifest; returns the manifest.
 
     `files` maps names in the step folder (see layout.STAGE_FILES) to a pyarrow table (validated
     against its schema, written as zstd parquet), a JSON-able object, or bytes. `inputs` maps
-    input names to their fingerprints."""
+    input names to their fingerprints. The manifest's row_count is the first table's rows, or
+    `row_count` when given (the update: the rows it trained on, not its micro-batch table's)."""
     t0 = time.perf_counter()
     entries = upload_files(store, layout, step, stage, files)
     timings = dict(timings or {})
     timings.setdefault("storage_write_s", round(time.perf_counter() - t0, 4))
     return write_manifest(store, layout, step, stage, entries, fingerprint=fingerprint,
-                          inputs=inputs, timings=timings, extra=extra)
+                          inputs=inputs, timings=timings, extra=extra, row_count=row_count)
 
 
 def write_table(store, layout, step, stage, table, **kw) -> dict:

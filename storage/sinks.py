@@ -5,7 +5,9 @@ module it needs), registered with `@register_sink(name)`; config validation
 (configs/registries.py) then accepts its name in trainer.logger, and flows/metric_sinks.py opens
 it for a run. Add the name to base.yaml's enum for a sink that ships with stagerl.
 
-- console: one verl-style line per step (log_line).
+- console: one short verl-style line per step (short_line: CONSOLE_KEYS, the few numbers a person
+  follows a run by); the full set goes to the log at debug level (flows/metric_sinks.py), to the
+  store (every stage's manifest and update/metrics.json) and to the other sinks.
 - tensorboard: event files in $TENSORBOARD_DIR, else tensorboard_log/<project>/<experiment> (verl's
   folder); `tensorboard --logdir tensorboard_log` shows them.
 - wandb: a Weights & Biases run named after the experiment in project trainer.project_name, with
@@ -48,6 +50,24 @@ def log_line(step: int, metrics: dict) -> str:
     return " - ".join(parts)
 
 
+# What the console line shows of a step's metrics, in this order, when present: the score and the
+# reward (the score less any KL penalty in the reward), the mean response length, the KL terms a
+# run has (actor/kl_loss with use_kl_loss, actor/reward_kl_penalty with use_kl_in_reward), the
+# losses, the actor's gradient norm and the step's seconds. Validation scores (val/...) are always
+# shown. A metrics set with none of them (e.g. a custom stage's) is shown whole.
+CONSOLE_KEYS = ("critic/score/mean", "critic/rewards/mean", "response_length/mean", "actor/kl_loss",
+                "actor/reward_kl_penalty", "actor/pg_loss", "critic/vf_loss", "actor/grad_norm",
+                "timing_s/step")
+CONSOLE_PREFIXES = ("val/",)
+
+
+def short_line(step: int, metrics: dict) -> str:
+    """The console's line: log_line of CONSOLE_KEYS (and val/ keys) only."""
+    shown = {k: metrics[k] for k in CONSOLE_KEYS if k in metrics}
+    shown.update({k: v for k, v in metrics.items() if k.startswith(CONSOLE_PREFIXES)})
+    return log_line(step, shown or metrics)
+
+
 def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -58,7 +78,7 @@ class ConsoleSink:
         pass
 
     def log(self, step: int, metrics: dict) -> None:
-        print(log_line(step, metrics), flush=True)
+        print(short_line(step, metrics), flush=True)
 
     def close(self) -> None:
         pass

@@ -49,3 +49,32 @@ def test_a_sink_that_is_unknown_or_not_installed_is_refused(monkeypatch):
         check_sinks(cfg)
     with pytest.raises(ConfigError, match="trainer.logger: 'mlflow' is not one of"):
         load_config("tiny-cpu", ["trainer.logger=[console,mlflow]"])
+
+
+def test_the_console_line_is_short_and_the_full_set_is_logged_at_debug(capsys, caplog):
+    """The console sink prints CONSOLE_KEYS only (score, reward, response length, the KL terms
+    the run has, losses, grad norm, step seconds; validation scores always); MetricSinks logs the
+    whole set at debug level; a set without any of those keys is printed whole."""
+    import logging
+
+    from storage.sinks import log_line, short_line
+
+    full = {"actor/lr": 1e-6, "actor/entropy": 0.61, "actor/pg_loss": -0.0123, "actor/kl_loss": 0.0004,
+            "actor/grad_norm": 1.5, "actor/ppo_kl": 0.001, "critic/score/mean": 0.5, "critic/score/max": 1.0,
+            "critic/rewards/mean": 0.5, "response_length/mean": 12.25, "response_length/max": 16,
+            "prompt_length/mean": 30.0, "timing_s/rollout": 1.2, "timing_s/step": 3.456,
+            "val/test_score/arith": 0.75}
+    sinks = MetricSinks(load_config("tiny-cpu", ["trainer.logger=[console]"]))
+    with caplog.at_level(logging.DEBUG, logger="stagerl"):
+        sinks.log(3, full)
+        sinks.log(4, {"loss": 2.0})
+    sinks.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "step:3 - critic/score/mean:0.500 - critic/rewards/mean:0.500 - response_length/mean:12.250 - "
+        "actor/kl_loss:4.000e-04 - actor/pg_loss:-0.012 - actor/grad_norm:1.500 - timing_s/step:3.456 - "
+        "val/test_score/arith:0.750",
+        "step:4 - loss:2.000"]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG] == [
+        log_line(3, full), log_line(4, {"loss": 2.0})]
+    assert short_line(5, {"critic/vf_loss": 0.25, "actor/reward_kl_penalty": 0.01}) == \
+        "step:5 - actor/reward_kl_penalty:0.010 - critic/vf_loss:0.250"
