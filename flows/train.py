@@ -28,7 +28,7 @@ from flows.step_report import step_metrics
 from stages.ranks.launch import forget_inherited_rank_env
 from stages.scratch import remove_orphans
 from storage.secrets import scrub_override, take_secret_overrides
-from stages.session import RunSession
+from stages.session import DeferredCommitError, RunSession
 from storage.artifacts import fingerprint, last_committed, read_manifest, read_run_json, write_run_json
 from storage.layout import RunLayout
 from storage.lineage import delete_tree
@@ -103,19 +103,16 @@ def check_ground_truth(cfg: dict, dataset) -> None:
     """Rows with a null reward_model or reward_model.ground_truth cannot be scored by the built-in
     rule scorers: refuse them at load, naming file and row. A user's reward function
     (custom_reward_function.path) or a reward model may not need it: then only warn."""
-    from stages.data.files import rows_without_ground_truth
+    from stages.data.files import GROUND_TRUTH_REFUSED, ground_truth_problem, rows_without_ground_truth
 
     missing = rows_without_ground_truth(dataset.files, dataset.rows)
     if not missing:
         return
-    shown = "; ".join(missing[:5]) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else "")
-    what = (f"{len(missing)} of {len(dataset.rows)} {dataset.split} prompts have no "
-            f"reward_model.ground_truth: {shown}")
+    what = ground_truth_problem(missing, len(dataset.rows), dataset.split)
     if cfg["custom_reward_function"].get("path") or cfg["reward_model"].get("enable"):
         logger().warning(f"{what} (your reward function receives ground_truth=None for them)")
         return
-    raise ValueError(f"{what}. The built-in scorers compare answers with it: fix those rows, "
-                     f"or give custom_reward_function.path")
+    raise ValueError(f"{what}. {GROUND_TRUTH_REFUSED}")
 
 
 def total_steps(cfg: dict, steps_per_epoch: int) -> int:
@@ -231,9 +228,13 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         before_first_step(run, cfg, plan, dataset, total, sinks)
         done, ran, last = run_steps(run, cfg, store, layout, dataset, total, sinks, lock)
         return finish_run(run, cfg, store, layout, total, done, ran, last)
-    except BaseException:
+    except BaseException as exc:
+        failed_commit = session.commit_error() if isinstance(exc, Exception) else None
         if run is not None:
             keep_last_state(run, store, layout, total)
+        if failed_commit is not None and not isinstance(exc, DeferredCommitError):
+            failed_commit.add_note(f"after it: {type(exc).__name__}: {exc}")
+            raise failed_commit  # the root cause is reported last, not what failed after it
         raise
     finally:
         close_run(session, sinks, lock)
@@ -457,7 +458,8 @@ def start_rank_pool(cfg: dict, plan: dict, spawner=None):
     from stages.ranks.pool import RankPool
 
     pool = RankPool(world, str(trainer["device"]), hostfile=hostfile, spawner=spawner,
-                    heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"]))
+                    heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"]),
+                    start_timeout_s=float(cfg["orchestration"]["rank_start_timeout_s"]))
     pool.start(wait=False)  # the ranks start while the first rollout runs; the first job waits
     return pool
 

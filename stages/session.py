@@ -28,7 +28,12 @@ import time
 
 
 class DeferredCommitError(RuntimeError):
-    """A stage's background commit failed: the stage stays incomplete (a resume runs it again)."""
+    """A stage's background commit failed: the stage stays incomplete (a resume runs it again).
+    `stage`, `step`: the commit; `cause`: its error in one line (type and message)."""
+
+    def __init__(self, message: str, stage: str = "?", step: int | None = None, cause: str = ""):
+        super().__init__(message)
+        self.stage, self.step, self.cause = stage, step, cause
 
 
 class RunSession:
@@ -122,9 +127,21 @@ class RunSession:
                 failed.append((key, entry["error"]))
         if failed:
             (stage, step), exc = failed[0]
+            cause = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"  # one line
             raise DeferredCommitError(f"the {stage} stage of step {step} trained but could not be "
-                                      f"committed to the store ({type(exc).__name__}: {exc}); it stays "
-                                      f"incomplete and a resume runs it again") from exc
+                                      f"committed to the store ({cause}); it stays "
+                                      f"incomplete and a resume runs it again",
+                                      stage=stage, step=step, cause=cause) from exc
+
+    def commit_error(self) -> DeferredCommitError | None:
+        """wait_commits()'s error instead of raising it (None: every commit is in the store). A
+        run that fails asks this first: a commit that failed in the background is its root cause
+        when the store then refused what the run wrote next (a full disk: the lock's refresh)."""
+        try:
+            self.wait_commits()
+        except DeferredCommitError as exc:
+            return exc
+        return None
 
     def memo(self, key, make):
         """make() once per run for `key` (a key must name the inputs' content, not a path)."""

@@ -127,6 +127,41 @@ def test_cli_refuses_a_bad_plan_and_an_unknown_experiment(tmp_path):
     assert "Repo id" not in elsewhere.stdout + elsewhere.stderr and not (tmp_path / "stagerl").exists()
 
 
+def test_a_dataset_row_the_run_cannot_use_is_refused_before_anything_starts(tmp_path):
+    """An empty prompt, a missing data.reward_fn_key column, a null ground truth (built-in
+    scorers): `stagerl train` exits 2 naming the file, the row and the column, before the Prefect
+    server starts and before anything is written (no run.json, no lock: no experiment folder)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.data.tools import make_arith_dataset
+
+    def train_on(rows, name):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        run = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu",
+                              "--experiment", name, f"data.train_files={path}", f"data.val_files={path}",
+                              f"actor_rollout_ref.model.path={tmp_path}", f"storage.root={tmp_path / 'runs'}"],
+                             cwd=REPO, text=True, capture_output=True, timeout=120)
+        assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+        assert "Prefect" not in run.stdout + run.stderr and "Traceback" not in run.stdout + run.stderr
+        assert not (tmp_path / "runs" / PROJECT / name).exists()  # no run.json, no lock
+        return run.stdout.strip().splitlines()[-1], path
+
+    rows = make_arith_dataset(80, seed=0, difficulty=1)
+    rows[37]["prompt"] = []
+    line, path = train_on(rows, "empty")
+    assert line == f"error: {path} row 37: empty prompt (column 'prompt'): []"
+    rows = [{k: v for k, v in r.items() if k != "data_source"} for r in make_arith_dataset(80, seed=0)]
+    line, path = train_on(rows, "nosource")
+    assert line == f"error: {path} row 0: no 'data_source' column (data.reward_fn_key)"
+    rows = make_arith_dataset(80, seed=0, difficulty=1)
+    rows[5]["reward_model"] = {"style": "rule", "ground_truth": None}
+    line, path = train_on(rows, "notruth")
+    assert line.startswith(f"error: 1 of 80 train prompts have no reward_model.ground_truth: {path} row 5. "
+                           f"The built-in scorers compare answers with it"), line
+
+
 # ---- shared fixtures -----------------------------------------------------------------------
 def write_run_assets(base: Path) -> Path:
     """The tiny model and the arithmetic train (40 prompts) and test (8) files that
@@ -267,7 +302,7 @@ def test_deployment_run_two_steps_on_s3(deployed, tmp_path):
 
 
 def test_each_step_publishes_versioned_artifacts(server, deployed):
-    """Markdown (metrics, samples), a samples table and parquet links, one version per step."""
+    """Markdown (metrics, samples, parquet links) and a samples table, one version per step."""
     def versions(key):
         out = server.cli("artifact", "inspect", key, "-o", "json")
         return json.loads(out.stdout)
@@ -277,21 +312,59 @@ def test_each_step_publishes_versioned_artifacts(server, deployed):
     texts = sorted(a["data"] for a in steps)
     assert "stagerl/deployed: step 1" in texts[0] and "stagerl/deployed: step 2" in texts[1]
     assert f"| rollout | ran | {DEFAULT_ROWS} |" in texts[0] and "reward/score/mean" in texts[0]
-    links = versions("stagerl-deployed-rollout")
-    for k, data in zip((1, 2), sorted(a["data"] for a in links)):
-        assert f"s3://runs/e2e/stagerl/deployed/steps/00000{k}/rollout.parquet" in data
+    for k, text in zip((1, 2), texts):  # each stage's parquet, linked from the report
+        assert f"- rollout: [rollout.parquet](s3://runs/e2e/stagerl/deployed/steps/00000{k}/rollout.parquet)" in text
     assert len(json.loads(versions("stagerl-deployed-samples")[0]["data"])) == 3
 
 
 # ---- fault injection: SIGKILL inside each real stage, then resume ---------------------------
 @pytest.fixture(scope="module")
-def reference_run(server, assets, tmp_path_factory):
-    """The store root of an uninterrupted 2-step run (real stages, tiny overrides): copy it
-    before changing anything."""
+def reference(server, assets, tmp_path_factory):
+    """(store root, console output) of an uninterrupted 2-step run (real stages, tiny overrides)."""
     root = tmp_path_factory.mktemp("reference")
     ref = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "f", *tiny_overrides(assets, root)])
     assert ref.returncode == 0, ref.stdout[-4000:]
-    return root
+    return root, ref.stdout
+
+
+@pytest.fixture(scope="module")
+def reference_run(reference):
+    """The store root of the reference run: copy it before changing anything."""
+    return reference[0]
+
+
+def test_a_step_logs_a_short_line_and_reports_every_stages_rows(server, reference):
+    """The console's line per step holds storage.sinks.CONSOLE_KEYS that the run has (tiny-cpu:
+    GRPO with a KL loss, no critic), in that order, each value as the store holds it; the full set
+    (actor/lr, ...) is not on the console. The step's Prefect report gives every stage's rows,
+    the update's too (the rows it trained on), and its metrics table."""
+    import re
+
+    from storage.sinks import log_line
+
+    root, out = reference
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "f")
+    keys = ["critic/score/mean", "critic/rewards/mean", "response_length/mean", "actor/kl_loss",
+            "actor/pg_loss", "actor/grad_norm", "timing_s/step"]
+    for step in (1, 2):
+        lines = [m.group(1) for m in re.finditer(rf"(?m)\bstep:{step} - (.*)$", out)]
+        assert len(lines) == 1, (step, lines, out[-3000:])
+        parts = dict(part.split(":", 1) for part in lines[0].strip().split(" - "))
+        assert list(parts) == keys, lines[0]
+        stored = read_file(store, layout, step, "update", "update/metrics.json")
+        for stage in STAGES:
+            stored.update((read_manifest(store, layout, step, stage)["extra"] or {}).get("metrics") or {})
+        for key in keys[:-1]:
+            assert f"{key}:{parts[key]}" == log_line(step, {key: stored[key]}).split(" - ", 1)[1]
+        assert 0 < float(parts["timing_s/step"]) < 300 and "actor/lr" in stored
+    reports = json.loads(server.cli("artifact", "inspect", "stagerl-f-step", "-o", "json").stdout)
+    texts = [a["data"] for a in reports if "stagerl/f: step 1\n" in a["data"]]
+    assert texts, [a["data"][:200] for a in reports]
+    rows = 4 * 2  # tiny_overrides: 4 prompts x n=2
+    for stage in STAGES:
+        assert f"| {stage} | ran | {rows} |" in texts[0], texts[0]
+    assert "| critic/score/mean |" in texts[0] and "| actor/pg_loss |" in texts[0]
+    assert read_manifest(store, layout, 1, "update")["row_count"] == rows  # the committed manifest too
 
 
 @pytest.fixture(scope="module")

@@ -73,3 +73,51 @@ def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert list_weights(store, layout) == [4]
+
+
+def test_a_full_store_disk_names_the_failed_commit_and_the_resume_command(small_disk, tmp_path):
+    """The store's disk fills up while step 1's update trains: its background commit fails (retried,
+    then given up), then the next write of the run (the lock's refresh at step 2) fails too. The
+    run's last line names the commit that failed (the update of step 1, the object being written)
+    and the resume command, not the lock write; once there is room, that command completes the run."""
+    from stages.data.tools import write_arith_dataset
+    from stages.model.tiny import save_tiny_model
+
+    assets = tmp_path / "assets"
+    save_tiny_model(assets / "model")
+    write_arith_dataset(assets / "train.parquet", n=40)
+    write_arith_dataset(assets / "test.parquet", n=8, split="test")
+    root = small_disk / "runs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "STAGERL_"))}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1")  # Prefect has room
+    cli = [sys.executable, "-m", "flows.cli"]
+    args = ["train", "--config", "tiny-cpu", "--experiment", "full", *tiny_overrides(assets, root, steps=2),
+            f"storage.cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.Popen([*cli, *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "full")
+    deadline = time.time() + 300
+    while read_manifest(store, layout, 1, "advantage") is None:
+        assert proc.poll() is None and time.time() < deadline, "step 1's advantage did not finish"
+        time.sleep(0.02)
+    with open(small_disk / "filler", "wb") as filler:  # fill the disk while the update trains
+        try:
+            while True:
+                filler.write(b"\0" * (1 << 20))
+                filler.flush()
+        except OSError:
+            pass
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-4000:]
+    assert read_manifest(store, layout, 1, "update") is None
+    last = out.strip().splitlines()[-1]
+    command = f"stagerl resume {PROJECT}/full --root {root}"
+    assert last.startswith("error: the update of step 1 trained, but its commit to the store failed "
+                           "(StoreError: "), out[-4000:]
+    assert f"{root}/{PROJECT}/full/" in last  # the object being written
+    assert "No space left on device" in last and last.endswith(f"`{command}` runs it again"), last
+    (small_disk / "filler").unlink()
+    resumed = subprocess.run([*cli, *command.split()[1:]], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert list_weights(store, layout) == [2]

@@ -121,6 +121,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
             check_trainable(cfg)
             check_local_paths(cfg)
             check_fits(cfg, estimate_memory(cfg, plan))  # with a known device size
+            check_rows(cfg)  # every row usable: refused here, before anything is written or started
             if fork:
                 from flows.fork import check_fork, preexisting_fork
                 from storage.store import Store
@@ -149,6 +150,19 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
     finally:  # the fork server prestart offered the flow (closed by then) or nobody took
         if spawner is not None:
             spawner.close()
+
+
+def check_rows(cfg: dict) -> None:
+    """A train or validation row the run could not use (stages.data.dataset.check_dataset_rows)
+    as a ConfigError naming its file, row and column: exit 2 before the run writes or starts
+    anything (the flow would refuse it too, at load, after the Prefect server started)."""
+    from configs.schema import ConfigError
+    from stages.data.dataset import check_dataset_rows
+
+    try:
+        check_dataset_rows(cfg)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise ConfigError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
 
 
 def _train_on_server(cfg: dict, config: str, overrides: list, experiment, force_lock: bool, fork) -> int:
@@ -181,9 +195,21 @@ def _train_on_server(cfg: dict, config: str, overrides: list, experiment, force_
                 state.result()
             except Exception as exc:
                 print(prefect_server_error(exc, server, resume_command(cfg))
-                      or f"error: training failed: {type(exc).__name__}: {exc}")
+                      or failure_message(exc, resume_command(cfg)))
             return 1
         return 0
+
+
+def failure_message(exc: BaseException, next_step: str) -> str:
+    """What a failed run prints last: its error, then (its own last line) the commit that failed,
+    if one did, and the command that continues the run once the cause is fixed."""
+    from stages.session import DeferredCommitError
+
+    text = f"error: training failed: {type(exc).__name__}: {exc}"
+    if isinstance(exc, DeferredCommitError):
+        return (f"{text}\nerror: the {exc.stage} of step {exc.step} trained, but its commit to the store "
+                f"failed ({exc.cause}); once the store takes writes again, `{next_step}` runs it again")
+    return f"{text}\nto continue once the cause is fixed: `{next_step}`"
 
 
 LOW_DISK_BYTES = 64 << 20  # below this, a Prefect server error is put down to a full disk

@@ -24,7 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from stages.data.files import prompt_problem, read_parquet_records
+from stages.data.files import (GROUND_TRUTH_REFUSED, ground_truth_problem, read_parquet_records,
+                                refuse_records)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 
@@ -149,25 +150,11 @@ def prepare_rows(spec: RowSpec, tokenizer) -> PreparedRows:
     records, where = read_parquet_records(list(spec.files))
     if 0 < spec.max_samples < len(records):
         records = records[:spec.max_samples]
-    if records and spec.prompt_key not in records[0]:
-        raise KeyError(
-            f"prompt column {spec.prompt_key!r} (data.prompt_key) not in {list(spec.files)}; "
-            f"columns: {sorted(records[0])}"
-        )
+    refuse_records(records, where, spec.prompt_key, spec.reward_fn_key, spec.files)
     texts = []
-    for number, record in enumerate(records):
-        messages = record.get(spec.prompt_key)
-        problem = prompt_problem(messages)
-        if problem:
-            raise ValueError(f"{where(number)}: {problem} (column {spec.prompt_key!r}): {messages!r:.200}")
-        if spec.reward_fn_key not in record:
-            raise KeyError(f"{where(number)}: no {spec.reward_fn_key!r} column (data.reward_fn_key)")
-        if not isinstance(record[spec.reward_fn_key], str):
-            raise ValueError(f"{where(number)}: column {spec.reward_fn_key!r} (data.reward_fn_key) "
-                             f"is {type(record[spec.reward_fn_key]).__name__}, not text: "
-                             f"{record[spec.reward_fn_key]!r:.100}")
+    for record in records:
         texts.append(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False,
+            record[spec.prompt_key], add_generation_prompt=True, tokenize=False,
             **({"chat_template": spec.chat_template} if spec.chat_template else {}), **spec.template_kwargs))
     all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
@@ -192,6 +179,29 @@ def prepare_rows(spec: RowSpec, tokenizer) -> PreparedRows:
             truncated=len(ids) != len(all_ids[number]),
         ))
     return PreparedRows(rows, filtered, truncated)
+
+
+def check_dataset_rows(cfg: dict) -> None:
+    """Refuse, before a run writes or starts anything, the first train (and, when the run
+    validates, validation) row it could not use, naming its file, row and column: the checks
+    prepare_rows makes, and under the built-in scorers a null reward_model.ground_truth (the
+    training flow's check_ground_truth; with data.filter_overlong_prompts it is left to the flow,
+    which counts the rows left after the filter). Reads each file's rows once (pyarrow), loads no
+    tokenizer and writes nothing. Raises ValueError or KeyError."""
+    trainer = cfg["trainer"]
+    splits = ["train"] + (["val"] if trainer["val_before_train"] or trainer["test_freq"] > 0 else [])
+    own_scorer = bool(cfg["custom_reward_function"].get("path") or cfg["reward_model"].get("enable"))
+    for split in splits:
+        spec = RowSpec.from_config(cfg["data"], split)
+        records, where = read_parquet_records(list(spec.files))
+        if 0 < spec.max_samples < len(records):
+            records = records[:spec.max_samples]
+        refuse_records(records, where, spec.prompt_key, spec.reward_fn_key, spec.files)
+        if own_scorer or spec.filter_overlong:
+            continue
+        missing = [where(n) for n, r in enumerate(records) if (r.get("reward_model") or {}).get("ground_truth") is None]
+        if missing:
+            raise ValueError(f"{ground_truth_problem(missing, len(records), split)}. {GROUND_TRUTH_REFUSED}")
 
 
 @functools.lru_cache(maxsize=4)

@@ -71,6 +71,37 @@ def prompt_problem(messages) -> str | None:
     return None
 
 
+def refuse_records(records: list[dict], where: RowLocator, prompt_key: str, reward_fn_key: str,
+                   files) -> None:
+    """Raise naming "FILE row K" and the column for the first record a run cannot use: no prompt
+    column (data.prompt_key; KeyError), a prompt that cannot be templated (prompt_problem), no
+    data.reward_fn_key column (KeyError) or one that is not text."""
+    if records and prompt_key not in records[0]:
+        raise KeyError(f"prompt column {prompt_key!r} (data.prompt_key) not in {list(files)}; "
+                       f"columns: {sorted(records[0])}")
+    for number, record in enumerate(records):
+        messages = record.get(prompt_key)
+        problem = prompt_problem(messages)
+        if problem:
+            raise ValueError(f"{where(number)}: {problem} (column {prompt_key!r}): {messages!r:.200}")
+        if reward_fn_key not in record:
+            raise KeyError(f"{where(number)}: no {reward_fn_key!r} column (data.reward_fn_key)")
+        if not isinstance(record[reward_fn_key], str):
+            raise ValueError(f"{where(number)}: column {reward_fn_key!r} (data.reward_fn_key) "
+                             f"is {type(record[reward_fn_key]).__name__}, not text: "
+                             f"{record[reward_fn_key]!r:.100}")
+
+
+def ground_truth_problem(missing: list[str], total: int, split: str) -> str:
+    """What to say of `missing` ("FILE row K" of rows without reward_model.ground_truth)."""
+    shown = "; ".join(missing[:5]) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else "")
+    return f"{len(missing)} of {total} {split} prompts have no reward_model.ground_truth: {shown}"
+
+
+GROUND_TRUTH_REFUSED = ("The built-in scorers compare answers with it: fix those rows, "
+                        "or give custom_reward_function.path")
+
+
 def rows_without_ground_truth(files, rows) -> list[str]:
     """"FILE row K" of each prepared row whose reward_model.ground_truth is null or missing."""
     import os
