@@ -33,9 +33,10 @@ install: $(STAMP) $(DS_OP)
 
 # Two test workers (pytest-xdist), one test file each at a time: module-scoped Prefect servers and
 # runs stay in one worker; most tests wait on subprocesses, so 2 workers fit this 2-core machine.
+# The longest files go first (tests/conftest.py LONG_FIRST; xdist's own reorder is off).
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: install
 	$(PY) -m flows.demo

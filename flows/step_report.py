@@ -168,7 +168,7 @@ def publish_step(ctx, summaries: dict) -> dict:
     for stage in STAGES:                # call and server work beside the next step's stages
         for name, path in ((summaries.get(stage) or {}).get("paths") or {}).items():
             if name.endswith(".parquet"):
-                lines.append(f"- {stage}: [{name}]({ctx.store.url(path)})")
+                lines.append(f"- {stage} {name}: {ctx.store.url(path)}")
     create_markdown_artifact(key=f"{slug}-step", markdown="\n".join(lines),
                              description=f"{ctx.layout.base} step {step}")
     create_table_artifact(key=f"{slug}-samples", table=samples,

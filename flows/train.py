@@ -332,7 +332,10 @@ def load_schedule(cfg: dict, store: Store):
 
 def before_first_step(run: RunHandle, cfg: dict, plan: dict, dataset, total: int, sinks: MetricSinks) -> None:
     """The rank pool (starting in the background), the warm start (step 0), validation before
-    training, the first update's DeepSpeed set-up and the rollout engines."""
+    training, the first update's DeepSpeed set-up and the rollout engines; none of it when every
+    step is already complete (a rerun of a finished run has nothing to run)."""
+    if total >= 1 and step_is_complete(run.context(total, step_extra(dataset, total, total))):
+        return
     session = run.session
     session.rank_pool = start_rank_pool(cfg, plan, session.spawner)  # in the background too
     if (cfg.get("warmstart") or {}).get("enable"):  # stages.model.warmstart: step 0, once, resumable

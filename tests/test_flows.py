@@ -313,7 +313,7 @@ def test_each_step_publishes_versioned_artifacts(server, deployed):
     assert "stagerl/deployed: step 1" in texts[0] and "stagerl/deployed: step 2" in texts[1]
     assert f"| rollout | ran | {DEFAULT_ROWS} |" in texts[0] and "reward/score/mean" in texts[0]
     for k, text in zip((1, 2), texts):  # each stage's parquet, linked from the report
-        assert f"- rollout: [rollout.parquet](s3://runs/e2e/stagerl/deployed/steps/00000{k}/rollout.parquet)" in text
+        assert f"- rollout rollout.parquet: s3://runs/e2e/stagerl/deployed/steps/00000{k}/rollout.parquet" in text
     assert len(json.loads(versions("stagerl-deployed-samples")[0]["data"])) == 3
 
 

@@ -34,6 +34,17 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+
+def fill_disk(small_disk) -> None:
+    """Write zeros into small_disk/filler until the disk is full."""
+    with open(small_disk / "filler", "wb") as filler:
+        try:
+            while True:
+                filler.write(b"\0" * (1 << 20))
+                filler.flush()
+        except OSError:
+            pass
+
 def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
     from stages.data.tools import write_arith_dataset
     from stages.model.tiny import save_tiny_model
@@ -54,13 +65,7 @@ def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
     while read_manifest(store, layout, 1, "rollout") is None:
         assert proc.poll() is None and time.time() < deadline, "step 1's rollout did not finish"
         time.sleep(0.1)
-    with open(small_disk / "filler", "wb") as filler:  # fill the disk
-        try:
-            while True:
-                filler.write(b"\0" * (1 << 20))
-                filler.flush()
-        except OSError:
-            pass
+    fill_disk(small_disk)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-4000:]
     assert ("error: the local Prefect server (http://127.0.0.1:" in out
@@ -100,13 +105,7 @@ def test_a_full_store_disk_names_the_failed_commit_and_the_resume_command(small_
     while read_manifest(store, layout, 1, "advantage") is None:
         assert proc.poll() is None and time.time() < deadline, "step 1's advantage did not finish"
         time.sleep(0.02)
-    with open(small_disk / "filler", "wb") as filler:  # fill the disk while the update trains
-        try:
-            while True:
-                filler.write(b"\0" * (1 << 20))
-                filler.flush()
-        except OSError:
-            pass
+    fill_disk(small_disk)  # while the update trains
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-4000:]
     assert read_manifest(store, layout, 1, "update") is None
