@@ -33,11 +33,9 @@ install: $(STAMP) $(DS_OP)
 
 # Two test workers (pytest-xdist), one test file each at a time: module-scoped Prefect servers and
 # runs stay in one worker; most tests wait on subprocesses, so 2 workers fit this 2-core machine.
-# tests/test_readme.py goes first, then the files with most tests (tests/conftest.py; xdist's own
-# reorder, which put the README's one test last, is off).
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: install
 	$(PY) -m flows.demo

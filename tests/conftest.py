@@ -14,12 +14,6 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("pathlib").Path(__f
 
 def pytest_collection_modifyitems(session, config, items):
     """tests/test_readme.py (the whole README in order: a 3-step demo, the tour's runs, forks and
-    its Prefect deployment in subprocesses, ~8 minutes, the longest file) first, the other files
-    after it with the most tests first. With `-n 2 --dist loadfile --no-loadscope-reorder` (the
-    Makefile) one worker runs the README while the other works through the many short files;
-    xdist's own reorder (most tests first) put the README's single test last, alone for 8 minutes,
-    and the longest files first ran them side by side, slower still (25 against 22 minutes)."""
-    counts: dict = {}
-    for item in items:
-        counts[item.path] = counts.get(item.path, 0) + 1
-    items.sort(key=lambda item: (item.path.name != "test_readme.py", -counts[item.path], str(item.path)))
+    its Prefect deployment in subprocesses, the longest file) first, so that with `-n 2 --dist
+    loadfile` it runs beside other files instead of alone at the end of the suite."""
+    items.sort(key=lambda item: 0 if item.path.name == "test_readme.py" else 1)
