@@ -35,6 +35,20 @@ def small_disk(tmp_path):
 
 
 
+def run_then_fill_disk(cmd, env, root, experiment, stage, small_disk):
+    """Start `cmd` (a training run of `experiment`), wait until step 1's `stage` is committed, then
+    fill the disk (after the advantage: while the update trains). (process, store, layout)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, experiment)
+    deadline = time.time() + 300
+    while read_manifest(store, layout, 1, stage) is None:
+        assert proc.poll() is None and time.time() < deadline, f"step 1's {stage} did not finish"
+        time.sleep(0.02)
+    fill_disk(small_disk)
+    return proc, store, layout
+
+
 def fill_disk(small_disk) -> None:
     """Write zeros into small_disk/filler until the disk is full."""
     with open(small_disk / "filler", "wb") as filler:
@@ -58,14 +72,7 @@ def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
     env.update(PREFECT_HOME=str(small_disk / "prefect"), PYTHONUNBUFFERED="1")
     cli = [sys.executable, "-m", "flows.cli"]
     args = ["train", "--config", "tiny-cpu", "--experiment", "d", *tiny_overrides(assets, root, steps=4)]
-    proc = subprocess.Popen([*cli, *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "d")
-    deadline = time.time() + 300
-    while read_manifest(store, layout, 1, "rollout") is None:
-        assert proc.poll() is None and time.time() < deadline, "step 1's rollout did not finish"
-        time.sleep(0.1)
-    fill_disk(small_disk)
+    proc, store, layout = run_then_fill_disk([*cli, *args], env, root, "d", "rollout", small_disk)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-4000:]
     assert ("error: the local Prefect server (http://127.0.0.1:" in out
@@ -98,14 +105,7 @@ def test_a_full_store_disk_names_the_failed_commit_and_the_resume_command(small_
     cli = [sys.executable, "-m", "flows.cli"]
     args = ["train", "--config", "tiny-cpu", "--experiment", "full", *tiny_overrides(assets, root, steps=2),
             f"storage.cache_dir={tmp_path / 'cache'}"]
-    proc = subprocess.Popen([*cli, *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "full")
-    deadline = time.time() + 300
-    while read_manifest(store, layout, 1, "advantage") is None:
-        assert proc.poll() is None and time.time() < deadline, "step 1's advantage did not finish"
-        time.sleep(0.02)
-    fill_disk(small_disk)  # while the update trains
+    proc, store, layout = run_then_fill_disk([*cli, *args], env, root, "full", "advantage", small_disk)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-4000:]
     assert read_manifest(store, layout, 1, "update") is None
