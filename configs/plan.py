@@ -297,6 +297,9 @@ def compute_plan(cfg: dict) -> dict:
     rollout.update(_log_prob_role(cfg, "actor_rollout_ref.rollout", ROLLOUT, dp, sp, rows_per_rank, seq_len,
                                   check_micro=not actor_dynamic))
     rollout["old_log_prob_pass"] = needs_old_log_prob_pass(cfg, actor)
+    staleness = check_async(cfg)
+    if staleness:  # the rows are off-policy: old log-probs from the current policy (proximal), not the rows' sampler
+        rollout["old_log_prob_pass"] = True
     if computes_sum_pi_squared(cfg):  # the key only when on: the plan is in every stage's fingerprint
         rollout["sum_pi_squared"] = True
     ref = None
@@ -313,7 +316,55 @@ def compute_plan(cfg: dict) -> dict:
         "max_seq_len": seq_len,
         "actor": actor, "critic": critic, "rollout": rollout, "ref": ref, "reward_model": reward_model,
         "warnings": warnings,
+        **({"async": async_plan(cfg, staleness)} if staleness else {}),  # only when on: the plan is in every fingerprint
     }
+
+
+# verl's async_training keys: (key, the only value accepted, why another depends on timing)
+ASYNC_KEYS = (
+    ("async_training.staleness_threshold", 0, "which samples run ahead of a weight sync depends on generation vs training speed"),
+    ("async_training.trigger_parameter_sync_step", 1, "which prompts train in each local step depends on the order generations complete"),
+    ("async_training.require_batches", 1, "a step is data.train_batch_size prompts"),
+    ("async_training.partial_rollout", False, "where a generation is interrupted by a weight sync depends on timing"),
+    ("async_training.use_rollout_log_probs", False, "stagerl recomputes old log-probs with the current policy and corrects with algorithm.rollout_correction"),
+    ("async_training.compute_prox_log_prob", False, "stagerl's proximal policy is the current policy"),
+)
+
+
+def check_async(cfg) -> int:
+    """trainer.staleness (>= 0); a verl async_training key set to a value whose meaning depends
+    on timing (or that stagerl does not implement) is refused naming the key and the
+    deterministic alternative."""
+    for key, accepted, why in ASYNC_KEYS:
+        value = get_path(cfg, key)
+        if value is not None and value != accepted:
+            show = lambda v: str(v).lower() if isinstance(v, bool) else _fmt(v)  # as written in YAML
+            raise PlanError(f"{key}={show(value)}: not supported ({why}); stagerl's asynchrony is deterministic: "
+                            f"trainer.staleness=s makes step k sample from the weights after update max(0, k-1-s) "
+                            f"(s=1: verl's one-step-off policy); set {key}={show(accepted)}", (key, "trainer.staleness"))
+    staleness = int(get_path(cfg, "trainer.staleness") or 0)
+    if staleness < 0:
+        raise PlanError(f"trainer.staleness={staleness}: must be >= 0", ("trainer.staleness",))
+    return staleness
+
+
+def async_plan(cfg, staleness: int) -> dict:
+    """What trainer.staleness=s does (`stagerl plan` shows it): which weights each rollout samples,
+    which old log-probs the loss uses and which correction covers the behaviour-proximal gap."""
+    correction = get_path(cfg, "algorithm.rollout_correction.rollout_is")
+    rejection = get_path(cfg, "algorithm.rollout_correction.rollout_rs")
+    if correction:
+        covers = f"{correction}-level truncated importance sampling min(pi_old/pi_rollout, threshold) (algorithm.rollout_correction.rollout_is)"
+    elif rejection:
+        covers = f"{rejection}-level rejection sampling (algorithm.rollout_correction.rollout_rs)"
+    else:
+        covers = ("none: the PPO ratio is taken against the proximal policy only; set "
+                  "algorithm.rollout_correction.rollout_is=token to weight by pi_old/pi_rollout")
+    return {"staleness": staleness,
+            "rollout_samples": f"step k from the weights after update max(0, k-1-{staleness})",
+            "old_log_probs": "recomputed by the logprob stage with the current policy (the weights after update k-1)",
+            "rollout_log_probs": "stored by the engine (behaviour policy)",
+            "correction": covers}
 
 
 def resume_replay(cfg) -> dict:

@@ -103,13 +103,13 @@ def retry_options(cfg: dict) -> dict:
 
 
 # ---- the stage task ---------------------------------------------------------------------------
-def summarize(manifest: dict, skipped: bool, seconds: float | None = None) -> dict:
-    """What a stage task returns: small, JSON-able."""
+def summarize(manifest: dict, skipped: bool, seconds: float | None = None, started_at: float | None = None) -> dict:
+    """What a stage task returns: small, JSON-able (started_at: wall-clock seconds, for overlaps)."""
     files = manifest.get("files") or {}
     return {"stage": manifest.get("stage"), "step": manifest.get("step"), "skipped": skipped,
             "fingerprint": manifest.get("fingerprint"), "rows": manifest.get("row_count"),
             "paths": {name: e.get("path") for name, e in files.items()},
-            "timings": manifest.get("timings") or {}, "seconds": seconds,
+            "timings": manifest.get("timings") or {}, "seconds": seconds, "started_at": started_at,
             "metrics": (manifest.get("extra") or {}).get("metrics") or {}}
 
 
@@ -123,7 +123,7 @@ def execute_stage(stage: str, run: RunHandle, step: int, extra: dict | None = No
     if manifest and manifest.get("fingerprint") == fingerprint:
         message = f"skipped: {stage} of step {step} is complete (fingerprint {fingerprint[:12]})"
         return Completed(name="Cached", message=message, data=summarize(manifest, skipped=True))
-    t0 = time.perf_counter()
+    t0, started_at = time.perf_counter(), time.time()
     if deployment:
         run_stage_deployment(deployment, ctx, stage, run.uri, extra)
         manifest = read_manifest(ctx.store, ctx.layout, step, stage)
@@ -135,7 +135,7 @@ def execute_stage(stage: str, run: RunHandle, step: int, extra: dict | None = No
 
         maybe_fault(stage, "start", step)
         manifest = module.run(ctx)
-    return summarize(manifest, skipped=False, seconds=round(time.perf_counter() - t0, 3))
+    return summarize(manifest, skipped=False, seconds=round(time.perf_counter() - t0, 3), started_at=started_at)
 
 
 @task(name="stage", task_run_name="{stage}-step-{step}", cache_policy=NO_CACHE,

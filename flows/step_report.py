@@ -92,6 +92,8 @@ def step_metrics(ctx, summaries: dict | None = None) -> dict:
     except Exception:
         pass
     for stage, summary in (summaries or {}).items():
+        if stage not in STAGES:
+            continue
         if summary and not read_manifest(ctx.store, ctx.layout, ctx.step, stage):
             metrics.update(_scalars(summary.get("metrics") or {}))  # committing in the background
         if summary and summary.get("seconds") is not None:
@@ -158,6 +160,11 @@ def publish_step(ctx, summaries: dict) -> dict:
         s = summaries.get(stage) or {}
         status = "cached" if s.get("skipped") else "ran"
         lines.append(f"| {stage} | {status} | {s.get('rows')} | {s.get('seconds') or '-'} |")
+    overlap = summaries.get("overlap")  # trainer.staleness: what the pipelined schedule achieved
+    if overlap:
+        lines += ["", f"overlap: this step's rollout and reward ran {overlap['seconds']:.3f} s beside step "
+                      f"{step - 1}'s logprob, advantage and update ({overlap['share']:.0%} of them); the rollout "
+                      f"sampled the weights after update {overlap['policy_version']} (staleness {overlap['staleness']})"]
     lines += ["", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
     lines += ["", "## samples", ""]

@@ -360,6 +360,8 @@ def run_steps(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, datase
     """Steps 1..total: a complete one is skipped (its metrics logged again), the others run.
     (steps skipped, steps run, the last step's metrics)."""
     trainer, orch = cfg["trainer"], cfg["orchestration"]
+    if int(trainer.get("staleness") or 0) > 0:
+        return run_steps_pipelined(run, cfg, store, layout, dataset, total, sinks, lock)
     done, ran, last = [], [], {}
     with subflow_heartbeats_off():  # the steps' subflows (flows.step)
         for step in range(1, total + 1):
@@ -384,6 +386,114 @@ def run_steps(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, datase
             if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
                 _log_validation(sinks, step, validate(run, step, extra))
     return done, ran, last
+
+
+def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, dataset, total: int,
+                        sinks: MetricSinks, lock: ExperimentLock) -> tuple[list, list, dict]:
+    """trainer.staleness = s >= 1: the steps' stage task runs in two chains, in this flow run.
+    The rollout chain runs step j's rollout and then its reward as soon as the weights it samples
+    (after update j-1-s) exist and step j-1's rollout has ended (one engine); the trainer chain
+    runs step k's logprob, advantage and update once step k's rollout (and reward) and step k-1's
+    update have ended. So step k+1's rollout samples while step k trains, and every result is a
+    function of the step numbers, never of which chain was faster: the same seed gives the same
+    weights, and a resume (complete stages are Cached) gives what an uninterrupted run gives.
+    Each step's metrics add timing_s/overlap: the seconds its rollout and reward ran beside step
+    k-1's trainer chain. (steps skipped, steps run, the last step's metrics)"""
+    from flows import step_report
+    from flows.step import (check_stage_deployments, retry_options, stage_module, stage_task,
+                            task_result)
+
+    s, trainer = int(cfg["trainer"]["staleness"]), cfg["trainer"]
+    remote = check_stage_deployments(cfg)
+    if "logprob" in remote and not getattr(stage_module("logprob"), "runs_on_ranks", lambda p: True)(run.open()[1]):
+        remote.pop("logprob")
+    run_task = stage_task.with_options(**retry_options(cfg))
+    publisher = step_report.background_publisher(run.session)
+    ahead: dict = {}  # step -> {"rollout": future, "reward": future}
+    submitted = 0  # the last step whose rollout chain is submitted
+    trained: dict = {}  # step -> (start, end) of its trainer chain (wall clock)
+    done, ran, last = [], [], {}
+
+    def submit_through(j_max: int) -> None:
+        nonlocal submitted
+        while submitted < min(j_max, total):
+            j = submitted + 1
+            extra_j = step_extra(dataset, j, total)
+            before = ahead.get(j - 1, {}).get("rollout")
+            f_roll = run_task.submit("rollout", run, j, extra_j, remote.get("rollout"),
+                                     wait_for=[before] if before is not None else None)
+            ahead[j] = {"rollout": f_roll,
+                        "reward": run_task.submit("reward", run, j, extra_j, remote.get("reward"), wait_for=[f_roll])}
+            submitted = j
+
+    def drain() -> None:  # every submitted rollout chain ended (before validation, or a failure is raised)
+        for futures in ahead.values():
+            for future in futures.values():
+                future.wait()
+
+    try:
+        for step in range(1, total + 1):
+            t0 = time.perf_counter()
+            lock.refresh()
+            extra = step_extra(dataset, step, total)
+            ctx = run.context(step, extra)
+            if step not in ahead and step_is_complete(ctx):
+                done.append(step)
+                submitted = max(submitted, step)
+                last = step_metrics(ctx)
+                sinks.log(step, last)
+                continue
+            submit_through(step + s)  # the weights after update step-1 exist: rollouts up to step+s may sample
+            futures = ahead.pop(step)
+            futures["rollout"].wait()
+            summaries = {"rollout": task_result(futures["rollout"].state)}
+            publisher.start()  # the previous step's artifacts, beside this step's training
+            t_train = time.time()
+            summaries["logprob"] = task_result(run_task("logprob", run, step, extra, remote.get("logprob"),
+                                                        return_state=True))
+            futures["reward"].wait()
+            summaries["reward"] = task_result(futures["reward"].state)
+            for stage in ("advantage", "update"):
+                summaries[stage] = task_result(run_task(stage, run, step, extra, remote.get(stage), return_state=True))
+            trained[step] = (t_train, time.time())
+            overlap = chain_overlap(summaries, trained.get(step - 1), step, s)
+            if overlap:
+                summaries["overlap"] = overlap
+            publisher.submit(run.context(step), summaries)
+            last = step_metrics(ctx, summaries)
+            if overlap:
+                last["timing_s/overlap"] = overlap["seconds"]
+            if not ran:
+                freeze_heap()
+            ran.append(step)
+            prune_weights(store, layout, step, cfg)
+            last["timing_s/step"] = round(time.perf_counter() - t0, 3)
+            sinks.log(step, last)
+            if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
+                drain()  # the engine is the rollout chain's: validation samples once it is idle
+                _log_validation(sinks, step, validate(run, step, extra))
+    except BaseException:
+        drain()  # no rollout left sampling while the run closes its engines
+        raise
+    return done, ran, last
+
+
+def chain_overlap(summaries: dict, trained: tuple | None, step: int, staleness: int) -> dict | None:
+    """Seconds step `step`'s rollout and reward (as they ran: summaries' started_at and seconds)
+    spent beside step-1's trainer chain (`trained`: its wall-clock start and end), and that as a
+    share of the chain; None when either did not run now."""
+    if not trained:
+        return None
+    start, end = trained
+    beside = 0.0
+    for stage in ("rollout", "reward"):
+        s = summaries.get(stage) or {}
+        if s.get("started_at") is None or s.get("seconds") is None:
+            continue
+        a, b = s["started_at"], s["started_at"] + s["seconds"]
+        beside += max(0.0, min(b, end) - max(a, start))
+    return {"seconds": round(beside, 3), "share": beside / max(end - start, 1e-9),
+            "policy_version": max(0, step - 1 - staleness), "staleness": step - 1 - max(0, step - 1 - staleness)}
 
 
 def finish_run(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, total: int, done: list,

@@ -80,6 +80,34 @@ class StageContext:
             return None
         return self.weights_version(max(self.step - 1, 0))
 
+    def staleness(self) -> int:
+        """trainer.staleness: how many updates the rollout lags (0: sample from step k-1's weights)."""
+        return int(self.get("trainer.staleness") or 0)
+
+    def rollout_policy_step(self) -> int:
+        """The update whose weights step k's rollout samples from: max(0, k-1-staleness), a
+        function of k only (0: the initial or warm-start weights). The stored policy_version."""
+        return max(0, self.step - 1 - self.staleness())
+
+    def rollout_weights(self) -> Path:
+        """Local folder of the weights step k's rollout samples from (rollout_policy_step); at
+        staleness 0 the same as actor_weights()."""
+        if not self.staleness():
+            return self.actor_weights()
+        k = self.rollout_policy_step()
+        if k == 0 and not self.get("warmstart.enable"):
+            return self.reference_weights(initial=True)
+        return self._load_weights(k)
+
+    def rollout_version(self) -> str | None:
+        """The weights version of rollout_weights(); None for the initial model folder."""
+        if not self.staleness():
+            return self.policy_version()
+        k = self.rollout_policy_step()
+        if k == 0 and not self.get("warmstart.enable"):
+            return None
+        return self.weights_version(k)
+
     def weights_version(self, k: int) -> str:
         """The identity of the weights after step k's update in this run (0: the warm start): an
         engine that holds it samples from it, whichever way it got them (stages.training.handoff)."""

@@ -59,17 +59,21 @@ def stage_fingerprint(ctx) -> str:
         base = hash_obj({"base": base, "reward": reward_fingerprint(ctx)})  # the reward file's content
     if needs_baseline(ctx):  # the stage also writes rollout/baseline.parquet
         base = hash_obj({"base": base, "baseline": "greedy, one per prompt"})
-    if ctx.step <= 1 and not ctx.get("warmstart.enable"):
+    if ctx.staleness():  # (only when on: a staleness-0 rollout keeps its fingerprint)
+        base = hash_obj({"base": base, "staleness": ctx.staleness()})
+    policy_step = ctx.rollout_policy_step()  # step k-1, or k-1-staleness
+    if policy_step == 0 and not ctx.get("warmstart.enable"):
         return base  # the initial model: its path is in CONFIG_KEYS
-    step, stage = (ctx.step - 1, "update") if ctx.step > 1 else (0, "warmstart")
+    step, stage = (policy_step, "update") if policy_step > 0 else (0, "warmstart")
     pending = ctx.session.pending_fingerprint(step, stage) if ctx.session is not None else None
     policy = pending or (read_manifest(ctx.store, ctx.layout, step, stage) or {}).get("fingerprint")
     return hash_obj({"base": base, "policy": policy})
 
 
 def _engine_options(ctx, model_dir, version: str | None = None) -> EngineOptions:
-    """`version`: the weights version model_dir holds (ctx.policy_version() for the step's own
-    weights; None for the initial model)."""
+    """`version`: the weights version model_dir holds (ctx.rollout_version() for the step's own
+    weights; None for the initial model). With trainer.staleness the engine runs in its own
+    process (the update trains beside it); rollout.cpu_affinity pins that process."""
     plan_rollout = (ctx.plan or {}).get("rollout") or {}
     max_len = (ctx.plan or {}).get("max_seq_len") or (
         int(ctx.get("data.max_prompt_length")) + int(ctx.get("data.max_response_length")))
@@ -79,7 +83,8 @@ def _engine_options(ctx, model_dir, version: str | None = None) -> EngineOptions
                          prompts_per_replica=plan_rollout.get("prompts_per_replica"),
                          max_model_len=int(max_len),
                          engine_seed=derive_seed(ctx.get("trainer.seed", 0), ctx.get(f"{ROLLOUT}.seed", 0) or 0),
-                         weights_version=version)
+                         weights_version=version, own_process=ctx.staleness() > 0,
+                         cpus=tuple(int(c) for c in ctx.get(f"{ROLLOUT}.cpu_affinity") or ()))
 
 
 def rollout_engines(ctx):
@@ -131,7 +136,8 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
             raise ValueError(f"row {row // n} of the batch (data row {prompts[row // n].row}): empty prompt")
     base = _base_seed(ctx, purpose)
     seeds = [derive_seed(base, row) for row in range(len(prompt_ids))]
-    options = _engine_options(ctx, model_dir, ctx.policy_version())
+    training = purpose != "validation"
+    options = _engine_options(ctx, model_dir, ctx.rollout_version() if training else ctx.policy_version())
     options.step_seed = base
     if purpose != STAGE:
         options.prompts_per_replica = None  # not a training batch: split evenly over the replicas
@@ -165,6 +171,8 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
             columns["extra_info"].append(json.dumps(p.extra_info, sort_keys=True, default=str))
     if sampling.log_probs:
         columns["rollout_log_probs"] = [g.log_probs for g in gens]
+    if training:  # the update whose weights sampled these rows (trainer.staleness)
+        columns["policy_version"] = [ctx.rollout_policy_step()] * len(gens)
     return columns, {"engine": engine, **options.timings}
 
 
@@ -180,7 +188,7 @@ def generate_baseline(ctx, columns: dict, sampling: Sampling, model_dir, tokeniz
     prompt_ids = [list(columns["prompt_ids"][r]) for r in rows]
     greedy = dataclasses.replace(sampling, do_sample=False, n=1, log_probs=False)
     base = _base_seed(ctx, "baseline")  # greedy answers do not depend on it; the engines want seeds
-    options = _engine_options(ctx, model_dir, ctx.policy_version())
+    options = _engine_options(ctx, model_dir, ctx.rollout_version())
     options.step_seed, options.prompts_per_replica = base, None
     engine = ctx.get(f"{ROLLOUT}.name", "hf")
     engines = rollout_engines(ctx)
@@ -216,13 +224,14 @@ def local_cache_dir(ctx):
     return Path(ctx.get("storage.cache_dir") or ctx.store.cache_dir).expanduser()
 
 
-def _model_and_tokenizer(ctx):
-    """The policy folder this step samples from and a function returning its tokenizer, loaded
+def _model_and_tokenizer(ctx, training: bool = True):
+    """The policy folder this step samples from (training: ctx.rollout_weights(), which lags by
+    trainer.staleness; validation: the newest, ctx.actor_weights()) and a function returning its tokenizer, loaded
     on first call (once per run with a session: every step's folder carries the same tokenizer
     files). Resident engine workers decode themselves, so a run's rollouts never call it."""
     from stages.model.models import check_model_folder, load_tokenizer
 
-    model_dir = ctx.actor_weights()
+    model_dir = ctx.rollout_weights() if training else ctx.actor_weights()
     try:
         check_model_folder(model_dir, "policy model")
     except FileNotFoundError as err:
@@ -251,6 +260,8 @@ def run(ctx) -> dict:
     t_weights = time.perf_counter()
     dataset = _dataset(ctx, "train", model_dir)
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")))
+    if ctx.staleness():  # off-policy rows keep the behaviour policy's log-probs (rollout correction)
+        sampling = dataclasses.replace(sampling, log_probs=True)
     t_data = time.perf_counter()
     files = {}
     if ctx.get("algorithm.filter_groups.enable"):  # DAPO: generate until enough groups vary
@@ -292,15 +303,16 @@ def run(ctx) -> dict:
         "tokens_per_s_wall": round(tokens / (t_gen - t_data), 2),
         "finish_stop": columns["finish_reason"].count("stop"),
         "model_dir": str(model_dir),
-        "weights_version": ctx.policy_version(),
+        "weights_version": ctx.rollout_version(),
+        "policy_version": ctx.rollout_policy_step(), "staleness": ctx.step - 1 - ctx.rollout_policy_step(),
         "metrics": {"timing/generate_s": gen_s},  # the engine's generation alone (time_split)
     }
     if baseline is not None:  # rollout/baseline.parquet: greedy answers, not training rows
         extra["baseline"] = baseline
     fingerprint = stage_fingerprint(ctx)
-    if ctx.session is not None:  # a committed rollout k implies a committed update k-1
-        t_wait = time.perf_counter()
-        ctx.session.wait_commits()
+    if ctx.session is not None and ctx.rollout_policy_step() > 0:
+        t_wait = time.perf_counter()  # a committed rollout k implies a committed update of its policy
+        ctx.session.wait_commit("update", ctx.rollout_policy_step())
         timings["wait_for_update_commit_s"] = round(time.perf_counter() - t_wait, 4)
     return write_stage(ctx.store, ctx.layout, ctx.step, STAGE, {"rollout.parquet": table, **files},
                        fingerprint=fingerprint, inputs={}, timings=timings, extra=extra)
@@ -309,7 +321,7 @@ def run(ctx) -> dict:
 def generate_validation(ctx) -> list[dict]:
     """Sample the validation set (data.val_files) with rollout.val_kwargs; one dict per row
     (the rollout columns), seeded by (trainer.seed, step, "validation")."""
-    model_dir, tokenizer = _model_and_tokenizer(ctx)
+    model_dir, tokenizer = _model_and_tokenizer(ctx, training=False)
     dataset = _dataset(ctx, "val", model_dir)
     prompts = [dataset.rows[i] for i in dataset.epoch_order(0)]
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")),

@@ -117,6 +117,16 @@ class RunSession:
                 return entry["local_weights"]
         return None
 
+    def wait_commit(self, stage: str, step: int) -> None:
+        """Wait for one background commit (a rollout for the update it sampled from, while a later
+        update may be training: trainer.staleness); raise DeferredCommitError when it failed."""
+        entry = self._pending.get((stage, step))
+        if entry is None:
+            return
+        entry["thread"].join()
+        if entry["error"] is not None:
+            self.wait_commits()  # raises, naming it (and leaves nothing pending)
+
     def wait_commits(self) -> None:
         """Wait for every background commit; raise DeferredCommitError for a failed one."""
         failed = []

@@ -90,7 +90,8 @@ SCHEMAS = {
                   ("response", STR), ("response_ids", TOK_I32), ("response_length", I32),
                   ("finish_reason", STR), ("data_source", STR), ("ground_truth", STR),
                   ("extra_info", STR)],
-        optional=[("rollout_log_probs", TOK_F32)],
+        # policy_version: the update whose weights sampled the row (0: the initial or warm-start weights)
+        optional=[("rollout_log_probs", TOK_F32), ("policy_version", I32)],
         per_token=("response_ids", "rollout_log_probs"),
     ),
     "logprob": StageSchema(

@@ -108,6 +108,8 @@ class EngineOptions:
     # the weights version the call must sample from (stages.training.handoff.version_id); None:
     # whatever model_dir holds (the initial model, a one-off call)
     weights_version: str | None = None
+    own_process: bool = False  # never in the calling process (trainer.staleness: the update trains there meanwhile)
+    cpus: tuple = ()  # CPU cores the engine's worker processes are pinned to (rollout.cpu_affinity; (): not pinned)
     timings: dict = field(default_factory=dict)
 
 
@@ -210,6 +212,8 @@ class EngineSpec:
     num_replicas: int = 1
     threads: int = 1  # CPU threads of the replica's process
     seed: int = 0  # engine-level seed; rows carry their own seeds
+    own_process: bool = False  # a worker process even where hf would stay in the calling process
+    cpus: tuple = ()  # the cores the worker process pins itself to (os.sched_setaffinity)
 
     def setting(self, key: str, default=None):
         return dict(self.rollout).get(key, default)
@@ -218,7 +222,7 @@ class EngineSpec:
         """Everything but the weights: a different key needs a new engine, the same key only
         new weights."""
         return (self.engine, self.rollout, self.device, self.max_model_len, self.replica,
-                self.num_replicas, self.threads, self.seed)
+                self.num_replicas, self.threads, self.seed, self.own_process, self.cpus)
 
 
 def engine_class(name: str):
@@ -240,11 +244,14 @@ def make_spec(options: EngineOptions, engine: str, replica: int, num_replicas: i
     rollout = tuple(sorted((k, options.rollout.get(k)) for k in keys))
     tp = int(options.rollout.get("tensor_model_parallel_size") or 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if options.cpus:  # pinned: the replicas share these cores
+        cores = len(options.cpus)
     threads = int(os.environ.get("STAGERL_ENGINE_THREADS") or 0) or max(1, cores // max(1, num_replicas * (tp if engine == "vllm" else 1)))
     return EngineSpec(engine=engine, model_dir=str(options.model_dir), rollout=rollout,
                       device=options.device, max_model_len=int(options.max_model_len or 0),
                       replica=replica, num_replicas=num_replicas, threads=threads,
-                      seed=int(options.engine_seed))
+                      seed=int(options.engine_seed), own_process=bool(options.own_process or options.cpus),
+                      cpus=tuple(options.cpus))
 
 
 def check_rows(prompt_ids: list[list[int]], row_seeds: list[int], model_dir) -> None:

@@ -53,7 +53,7 @@ def in_process_resident(specs) -> bool:
     would add a Python with torch and transformers to import (seconds of CPU on a small machine)
     for no parallelism, and nothing needs freeing for the update. vLLM, several replicas and GPUs
     get worker processes."""
-    return len(specs) == 1 and specs[0].engine == "hf" and specs[0].device == "cpu"
+    return len(specs) == 1 and specs[0].engine == "hf" and specs[0].device == "cpu" and not specs[0].own_process
 
 
 class RolloutEngines:

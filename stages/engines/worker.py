@@ -137,6 +137,8 @@ def _handle(engine, op: str, arg):
     if op == "start":
         import torch
 
+        if getattr(arg, "cpus", ()):  # rollout.cpu_affinity: this process on its own cores
+            os.sched_setaffinity(0, set(arg.cpus))
         torch.set_num_threads(max(1, int(arg.threads)))
         _TOKENIZER.clear()
         _TOKENIZER["dir"] = arg.model_dir

@@ -10,7 +10,9 @@ Step k's update ends with the actor's new weights (version k) in the ranks. Toda
   flow's host): rank 0 writes one safetensors file in the rollout dtype into a folder in shared
   memory (/dev/shm; the temp dir where it is missing or small) and the flow has the engines load
   it (`take_folder`).
-- otherwise (ranks on other hosts, no run session, LoRA adapters to merge): today's export.
+- otherwise (ranks on other hosts, no run session, LoRA adapters to merge, trainer.staleness >= 1:
+  the engine samples an older version while this one trains, and loads each by version from the
+  local weights cache when its rollout starts): today's export.
 
 Either way only rank 0 holds a gathered copy (ZeRO-3: one parameter at a time), the engine
 records the version it holds (`weights_version`) and a rollout refuses to sample from another.
@@ -53,8 +55,10 @@ def mode(ctx, world: int) -> str | None:
     session = getattr(ctx, "session", None)
     if (session is None or not ctx.get("orchestration.background_commit", True)
             or int(ctx.get("actor_rollout_ref.model.lora_rank") or 0) > 0 or ctx.extra.get("no_handoff")
-            or int(ctx.get("trainer.nnodes") or 1) > 1 or ctx.get("trainer.hostfile")):
-        return None  # no run session, adapters to merge, or ranks on other hosts: the export
+            or int(ctx.get("trainer.nnodes") or 1) > 1 or ctx.get("trainer.hostfile")
+            or int(ctx.get("trainer.staleness") or 0) > 0):
+        return None  # no run session, adapters to merge, ranks on other hosts, or an engine that
+        #              samples an older version meanwhile (trainer.staleness): the export
     engines = session.engines() if not session.closed else None
     if engines is None:
         return None

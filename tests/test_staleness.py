@@ -1,0 +1,77 @@
+"""trainer.staleness (bounded-staleness asynchronous RL): step k samples from the weights after
+update max(0, k-1-s), a function of k, never of timing. Real runs (`stagerl train` subprocesses
+against a real Prefect server, the tiny model, 1 rank, the hf engine in its own process): the
+policy_version column, two runs with one seed equal, a SIGKILL while two steps overlap then a
+resume equal to the uninterrupted run, and verl's timing-dependent keys refused by name."""
+import signal
+
+import pytest
+
+from test_flows import PROJECT, assets, server, stagerl, tiny_overrides  # noqa: F401, F811 (fixtures)
+from configs.loader import load_config
+from configs.plan import PlanError, compute_plan
+from storage.artifacts import read_file, read_manifest
+from storage.layout import STAGES, RunLayout
+from storage.store import Store
+from storage.weights import folder_manifest
+
+
+def staleness_overrides(base, root, steps=3, s=1):
+    return tiny_overrides(base, root, steps=steps) + [f"trainer.staleness={s}"]
+
+
+def test_the_plan_says_what_staleness_does_and_refuses_timing_keys_by_name():
+    cfg = load_config("configs/tiny-cpu.yaml", ["trainer.staleness=1"])
+    plan = compute_plan(cfg)
+    assert plan["async"]["staleness"] == 1 and plan["rollout"]["old_log_prob_pass"] is True
+    assert "max(0, k-1-1)" in plan["async"]["rollout_samples"] and "none" in plan["async"]["correction"]
+    with_is = compute_plan(load_config("configs/tiny-cpu.yaml", [
+        "trainer.staleness=2", "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "algorithm.rollout_correction.rollout_is=token"]))
+    assert with_is["async"]["correction"].startswith("token-level truncated importance sampling")
+    sync = compute_plan(load_config("configs/tiny-cpu.yaml", []))
+    assert "async" not in sync  # staleness 0: the plan (in every fingerprint) as before
+    for key, value in (("async_training.staleness_threshold", "0.5"),
+                       ("async_training.trigger_parameter_sync_step", "4"),
+                       ("async_training.partial_rollout", "true")):
+        with pytest.raises(PlanError) as err:
+            compute_plan(load_config("configs/tiny-cpu.yaml", [f"{key}={value}"]))
+        assert str(err.value).startswith(f"{key}={value.lower() if value == 'true' else value}: not supported")
+        assert "trainer.staleness" in str(err.value) and key in err.value.keys
+
+
+def weights(store, experiment, step):
+    return folder_manifest(store, RunLayout(PROJECT, experiment).weights(step))["checksum"]
+
+
+def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(server, assets, tmp_path):  # noqa: F811
+    """Two 3-step runs at s=1 with one seed: identical weights, rollout rows sampled by versions
+    0, 0, 1, old log-probs recomputed (the logprob stage's actor pass), the overlap reported; a
+    third run SIGKILLed in step 2's update (step 3's rollout running or done beside it) and resumed
+    ends with the same weights."""
+    root = tmp_path / "runs"
+    store = Store.from_config({"root": str(root)})
+    for name in ("a", "b"):
+        run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", name,
+                               *staleness_overrides(assets, root)])
+        assert run.returncode == 0, run.stdout[-4000:]
+    layout = RunLayout(PROJECT, "a")
+    versions = [sorted(set(read_file(store, layout, k, "rollout").column("policy_version").to_pylist()))
+                for k in (1, 2, 3)]
+    assert versions == [[0], [0], [1]]
+    rollout = read_file(store, layout, 3, "rollout")
+    assert "rollout_log_probs" in rollout.column_names  # the behaviour policy's log-probs, stored
+    assert read_manifest(store, layout, 3, "rollout")["extra"]["staleness"] == 1
+    assert "old_log_probs" in read_file(store, layout, 2, "logprob").column_names
+    assert weights(store, "a", 3) == weights(store, "b", 3)
+    assert "timing_s/overlap:" in run.stdout, run.stdout[-3000:]  # step 2+: its rollout beside the previous update
+    # killed in step 2's update after it trained (its commit not written), step 3's rollout beside it
+    killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "c",
+                              *staleness_overrides(assets, root)], fault="update:after_train@2")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+    c = RunLayout(PROJECT, "c")
+    assert read_manifest(store, c, 2, "update") is None
+    resumed = stagerl(server, ["resume", "c", "--root", str(root)])
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert all(read_manifest(store, c, k, s) for k in (1, 2, 3) for s in STAGES)
+    assert weights(store, "c", 3) == weights(store, "a", 3)
