@@ -3,11 +3,13 @@ update max(0, k-1-s), a function of k, never of timing. Real runs (`stagerl trai
 against a real Prefect server, the tiny model, 1 rank, the hf engine in its own process): the
 policy_version column, two runs with one seed equal, a SIGKILL while two steps overlap then a
 resume equal to the uninterrupted run, and verl's timing-dependent keys refused by name."""
+import json
 import signal
 
 import pytest
 
 from test_flows import PROJECT, assets, server, stagerl, tiny_overrides  # noqa: F401, F811 (fixtures)
+from flows.cli import main
 from configs.loader import load_config
 from configs.plan import PlanError, compute_plan
 from storage.artifacts import read_file, read_manifest
@@ -44,7 +46,7 @@ def weights(store, experiment, step):
     return folder_manifest(store, RunLayout(PROJECT, experiment).weights(step))["checksum"]
 
 
-def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(server, assets, tmp_path):  # noqa: F811
+def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(server, assets, tmp_path, capsys):  # noqa: F811
     """Two 3-step runs at s=1 with one seed: identical weights, rollout rows sampled by versions
     0, 0, 1, old log-probs recomputed (the logprob stage's actor pass), the overlap reported; a
     third run SIGKILLed in step 2's update (step 3's rollout running or done beside it) and resumed
@@ -65,6 +67,28 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     assert "old_log_probs" in read_file(store, layout, 2, "logprob").column_names
     assert weights(store, "a", 3) == weights(store, "b", 3)
     assert "timing_s/overlap:" in run.stdout, run.stdout[-3000:]  # step 2+: its rollout beside the previous update
+    # inspect: per step the version sampled, the staleness, engine vs trainer and the IS weights
+    code = main(["inspect", "a", "--root", str(root), "--step", "3", "--json"])
+    policy = json.loads(capsys.readouterr().out)["policy"]
+    assert code == 0 and policy["policy_version"] == 1 and policy["staleness"] == 1
+    engine = [x for r in rollout.column("rollout_log_probs").to_pylist() for x in r]
+    trainer = [x for r in read_file(store, layout, 3, "logprob").column("old_log_probs").to_pylist() for x in r]
+    by_hand = sum(e - t for e, t in zip(engine, trainer)) / len(engine)
+    assert policy["engine_vs_trainer"]["tokens"] == len(engine)
+    assert policy["engine_vs_trainer"]["kl_k1"] == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
+    w = policy["is_weights"]
+    assert w["p05"] <= w["p50"] <= w["p95"] <= w["max"] and 0 <= w["share_above_2"] <= 1
+    assert main(["inspect", "a", "--root", str(root)]) == 0
+    table = capsys.readouterr().out
+    assert "version" in table and "staleness" in table and "is_weight/mean" in table
+    assert main(["query", "select step, min(policy_version) v, max(policy_version) w from rollout group by step order by step",
+                 "--experiment", "a", "--root", str(root), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["v"], r["w"]) for r in rows] == [(1, 0, 0), (2, 0, 0), (3, 1, 1)]
+    assert main(["plot", "a", "--root", str(root), "--json"]) == 0
+    plotted = json.loads(capsys.readouterr().out)
+    panels = [a["ylabel"] for p in plotted for a in p["axes"] if p["name"] == "metrics.png"]
+    assert "staleness (updates)" in panels and "IS weight pi_old/pi_rollout (mean)" in panels
     # killed in step 2's update after it trained (its commit not written), step 3's rollout beside it
     killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "c",
                               *staleness_overrides(assets, root)], fault="update:after_train@2")

@@ -65,6 +65,8 @@ def run_inspect(args) -> int:
                 "entropy", "kl", "pg_loss")
         if any(r.get("engine_kl") is not None for r in rows):  # rollout engine vs trainer log-probs
             cols += ("engine_kl",)
+        if any(r.get("staleness") for r in rows):  # trainer.staleness: the weights each rollout sampled
+            cols += ("version", "staleness", "engine_kl_k1", "is_weight/mean")
         table = [cols] + [tuple(_fmt(r.get(c)) for c in cols) for r in rows]
         widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
         for t in table:
@@ -81,6 +83,13 @@ def run_inspect(args) -> int:
     print(f"run {view.name} step {args.step}: {summary['status']}")
     for name, sec in summary["stages"].items():
         print_stage(name, sec)
+        if name == "rollout" and summary.get("policy"):
+            p = summary["policy"]
+            print(f"    policy:          sampled the weights after update {p['policy_version']} "
+                  f"(staleness {p['staleness']})")
+            if "engine_vs_trainer" in p:
+                print(f"    engine vs trainer: {_kv(p['engine_vs_trainer'])}")
+                print(f"    IS weights:      {_kv(p['is_weights'])}")
     if summary.get("time_s"):  # where the step's seconds went (flows.step_report.time_split)
         print(f"  time (s)  {_kv({k: v for k, v in summary['time_s'].items() if v is not None})}")
     for kind in ("best", "worst"):

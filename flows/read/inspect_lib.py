@@ -130,6 +130,41 @@ def rollout_metrics(view, step: int) -> dict:
     return out
 
 
+def policy_lag(view, step: int) -> dict:
+    """Which weights step `step`'s rollout sampled (trainer.staleness: the update max(0, k-1-s),
+    0 = the initial or warm-start weights), its staleness, and, when the rollout kept the engine's
+    log-probs and the old log-probs were computed, the behaviour (engine) vs proximal (trainer)
+    gap per response token: k1 KL(engine || trainer) = mean(lp_engine - lp_trainer) and the
+    importance weights exp(lp_trainer - lp_engine) (mean, quantiles, max, the share above the
+    rollout correction's threshold)."""
+    import pyarrow.compute as pc
+
+    extra = (view.manifest(step, "rollout") or {}).get("extra") or {}
+    version = extra.get("policy_version", max(step - 1, 0))
+    out = {"policy_version": version, "staleness": extra.get("staleness", step - 1 - version)}
+    rollout = view.table(step, "rollout")
+    if "rollout_log_probs" not in rollout.schema.names or not view.manifest(step, "logprob"):
+        return out
+    logprob = view.table(step, "logprob")
+    if "old_log_probs" not in logprob.schema.names:
+        return out
+    engine = pc.list_flatten(rollout.column("rollout_log_probs"))
+    trainer = pc.list_flatten(logprob.column("old_log_probs"))
+    if len(engine) != len(trainer) or not len(engine):
+        return out
+    log_ratio = pc.subtract(trainer, engine)  # log(pi_trainer / pi_engine) per token
+    weights = pc.exp(log_ratio)
+    threshold = float(view.config_value("algorithm.rollout_correction.rollout_is_threshold", 2.0) or 2.0)
+    q = pc.quantile(weights, q=[0.05, 0.5, 0.95])
+    out["engine_vs_trainer"] = {"kl_k1": -float(pc.mean(log_ratio).as_py()),
+                                "abs_log_ratio_mean": float(pc.mean(pc.abs(log_ratio)).as_py()),
+                                "tokens": len(engine)}
+    out["is_weights"] = {"mean": float(pc.mean(weights).as_py()), "p05": q[0].as_py(), "p50": q[1].as_py(),
+                         "p95": q[2].as_py(), "max": float(pc.max(weights).as_py()),
+                         f"share_above_{threshold:g}": float(pc.mean(pc.greater(weights, threshold)).as_py())}
+    return out
+
+
 def baseline_table(view, step: int, stage: str):
     """The step's greedy baseline answers (stage rollout: rollout/baseline.parquet) or their scores
     (stage reward: reward/baseline.parquet), when the estimator needed them (remax); else None."""
@@ -254,6 +289,8 @@ def step_summary(view, step: int, stage: str = None, n_samples: int = 2) -> dict
         out["stages"][name] = section
     if stage is None:
         out["time_s"] = stored_time_split(view, step)
+    if stage in (None, "rollout") and status["rollout"]:
+        out["policy"] = policy_lag(view, step)
     if (stage in (None, "reward")) and status["rollout"] and status["reward"]:
         out["samples"] = samples(view, step, n_samples)
     return out
@@ -293,6 +330,10 @@ def overview_row(view, step: int) -> dict:
     if status["rollout"]:
         row["rows"] = view.table(step, "rollout").num_rows
         row["response_length/mean"] = rollout_metrics(view, step)["response_length"]["mean"]
+        lag = policy_lag(view, step)  # trainer.staleness: the weights sampled and the IS weights
+        row["version"], row["staleness"] = lag["policy_version"], lag["staleness"]
+        row["is_weight/mean"] = (lag.get("is_weights") or {}).get("mean")
+        row["engine_kl_k1"] = (lag.get("engine_vs_trainer") or {}).get("kl_k1")
     if status["reward"]:
         r = reward_metrics(view, step)
         row["score/mean"], row["acc/mean"] = r["score"]["mean"], r["acc_mean"]

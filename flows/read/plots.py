@@ -1,6 +1,7 @@
 """`stagerl plot`: PNG figures of a run written to its plots/ folder in the store (matplotlib, Agg).
 
-    metrics.png                          reward, acc, KL, entropy, response length over steps
+    metrics.png                          reward, acc, KL, entropy, response length over steps (and,
+                                         with trainer.staleness, the staleness and mean IS weight)
     response_length_step{K:06d}.png      histogram of response lengths of step K
     rank_load_step{K:06d}.png            real and padded tokens per update rank
     microbatch_tokens_step{K:06d}.png    tokens of each micro-batch against the token budget
@@ -60,6 +61,8 @@ def metrics_figure(view, steps):
     rows = overview_rows(view, steps)
     panels = OVER_STEPS + ((("engine_kl", "KL(rollout engine || trainer)"),)  # when the rollout kept its log-probs
                            if any(r.get("engine_kl") is not None for r in rows) else ())
+    if any(r.get("staleness") for r in rows):  # trainer.staleness: the lag and the IS weights it brings
+        panels += (("staleness", "staleness (updates)"), ("is_weight/mean", "IS weight pi_old/pi_rollout (mean)"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(6, 2.2 * len(panels)), sharex=True)
     for ax, (key, label) in zip(axes, panels):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
