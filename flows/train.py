@@ -466,7 +466,7 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
             if not ran:
                 freeze_heap()
             ran.append(step)
-            prune_weights(store, layout, step, cfg)
+            prune_weights(store, layout, step - s, cfg)  # rollouts up to step+1+s sample the weights after step-s on
             last["timing_s/step"] = round(time.perf_counter() - t0, 3)
             sinks.log(step, last)
             if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
