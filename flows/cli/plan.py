@@ -63,6 +63,11 @@ def run_plan(args) -> int:
         print(render_plan(plan, cfg))
         print(render_memory(memory, cfg))
         print(f"update engine: {engine['engine']}: {engine['why']}")
+        if plan.get("async"):  # trainer.staleness >= 1: what the pipelined schedule samples and corrects
+            a = plan["async"]
+            print(f"staleness {a['staleness']}: {a['rollout_samples']}, beside the previous step's training; "
+                  f"old log-probs {a['old_log_probs']}; rollout log-probs {a['rollout_log_probs']}; "
+                  f"correction: {a['correction']}")
         print(render_resume(resume))
         from configs.plan import check_trainable
 
