@@ -182,6 +182,11 @@ def _folders(store, src: RunLayout, new: RunLayout, step: int, stage: str, plan:
         needed.append((src.weights(k0), f"the {stage} of step {step}"))
         if plan.get("critic"):
             needed.append((src.critic_weights(k0), f"the logprob of step {step}"))
+    lag = int((plan.get("async") or {}).get("staleness") or 0)  # trainer.staleness: older versions sampled
+    first_rollout = step if stage == "rollout" else step + 1  # the first rollout NEW runs itself
+    for k in range(max(1, first_rollout - 1 - lag), step):  # the versions it and the next ones sample from SRC
+        if (src.weights(k), f"the {stage} of step {step}") not in needed:
+            needed.append((src.weights(k), f"the rollout of step {k + 1 + lag} (trainer.staleness={lag})"))
     if warm:
         needed.append((src.weights(0), "the reference policy (the warm start)"))
     for key, what in needed:

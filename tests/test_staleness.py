@@ -19,7 +19,7 @@ from storage.weights import folder_manifest
 
 
 def staleness_overrides(base, root, steps=3, s=1):
-    return tiny_overrides(base, root, steps=steps) + [f"trainer.staleness={s}"]
+    return tiny_overrides(base, root, steps=steps) + [f"trainer.staleness={s}", "trainer.save_freq=2"]
 
 
 def test_the_plan_says_what_staleness_does_and_refuses_timing_keys_by_name():
@@ -89,6 +89,11 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     plotted = json.loads(capsys.readouterr().out)
     panels = [a["ylabel"] for p in plotted for a in p["axes"] if p["name"] == "metrics.png"]
     assert "staleness (updates)" in panels and "IS weight pi_old/pi_rollout (mean)" in panels
+    # save_freq 2 keeps the weights after updates 2 and 3; a fork at step 3's rollout at staleness 1
+    # samples the weights after update 1, no longer kept: refused before it starts
+    refused = stagerl(server, ["fork", "a", "a2", "--at", "3:rollout", "--root", str(root), "trainer.staleness=1"])
+    assert refused.returncode == 2 and "step_000001 is no longer kept, and the rollout of step 3 " \
+        "(trainer.staleness=1) needs it" in refused.stdout, refused.stdout[-2000:]
     # killed in step 2's update after it trained (its commit not written), step 3's rollout beside it
     killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "c",
                               *staleness_overrides(assets, root)], fault="update:after_train@2")
