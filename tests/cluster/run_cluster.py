@@ -14,6 +14,9 @@ driver; with a pass it runs as a DeepSpeed job on the training pool too, as benc
 manifest records (the stage's host, each rank's host) and checks the final weights against a
 single-host run of the same config on ctl (2 ranks in its rank pool): bit-identical (with 2
 ranks an all-reduce is one addition, a + b == b + a exactly, whatever the order of the hosts).
+Then the same at trainer.staleness=1 over 3 steps (async_case): step k+1's rollout on inf while
+step k's update trains on trn1+trn2, checked from the manifests, and the final weights again
+bit-identical to a single-host run's.
 Exit code 0 when everything holds; without root or the tools it prints SKIPPED and why."""
 from __future__ import annotations
 
@@ -125,14 +128,17 @@ def placement_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def check_placement(doc: dict) -> list[str]:
+def check_placement(doc: dict, logprob_on_training: bool = False) -> list[str]:
+    """Rollout on inf, the update's ranks on trn1+trn2, the rest on ctl (the logprob stage on the
+    training hosts when it runs a pass: trainer.staleness recomputes the old log-probs)."""
     problems = []
     for step, stages in doc["steps"].items():
         for stage, m in stages.items():
             if m is None:
                 problems.append(f"step {step} {stage}: no manifest")
                 continue
-            want = {"rollout": {"inf"}, "update": set(TRAINING)}.get(stage, {"ctl"})
+            want = {"rollout": {"inf"}, "update": set(TRAINING),
+                    **({"logprob": set(TRAINING)} if logprob_on_training else {})}.get(stage, {"ctl"})
             if m["host"] not in want:
                 problems.append(f"step {step} {stage} ran on {m['host']}, expected one of {sorted(want)}")
             if stage == "update" and sorted(m.get("rank_hosts") or []) != sorted(TRAINING):
@@ -140,12 +146,12 @@ def check_placement(doc: dict) -> list[str]:
     return problems
 
 
-def run_params(image: Path, experiment: str, steps: int = 2) -> dict:
-    return {"overrides": overrides(image, steps) + cluster_overrides(image), "experiment_name": experiment}
+def run_params(image: Path, experiment: str, steps: int = 2, extra: tuple = ()) -> dict:
+    return {"overrides": overrides(image, steps) + cluster_overrides(image) + list(extra), "experiment_name": experiment}
 
 
-def run_deployment(cluster, image: Path, experiment: str, timeout: float = 600):
-    params = json.dumps(run_params(image, experiment))
+def run_deployment(cluster, image: Path, experiment: str, timeout: float = 600, steps: int = 2, extra: tuple = ()):
+    params = json.dumps(run_params(image, experiment, steps, extra))
     return prefect(cluster, "deployment", "run", "rl-train/tiny-cpu", "--params", params, "--watch",
                    "--watch-interval", "2", "--watch-timeout", str(int(timeout)), timeout=timeout + 60, check=False)
 
@@ -219,6 +225,7 @@ def main(argv=None) -> int:
                 failures.append("final weights differ from the single-host run's")
             if not args.no_faults:
                 failures += fault_cases(cluster, image, got_w)
+            failures += async_case(cluster, image)
             say("flow runs (Prefect):\n" + flow_run_table(cluster))
         except Exception as exc:  # noqa: BLE001 - reported with the hosts' logs
             failures.append(f"{type(exc).__name__}: {exc}")
@@ -246,6 +253,39 @@ def fault_cases(cluster, image: Path, clean_weights: dict) -> list[str]:
     say(f"step 1 weights sha256: faulted run {doc['weights'].get('1')}  uninterrupted cluster run "
         f"{clean_weights.get('1')}  {'bit-identical' if same else 'DIFFERENT'}; timings {result['timings']}")
     return result["problems"] + check_placement(doc) + ([] if same else ["the faulted run's weights differ"])
+
+
+ASYNC = ("trainer.staleness=1",)  # verl's one-step-off policy: step k+1 samples while step k trains
+
+
+def async_case(cluster, image: Path, steps: int = 3) -> list[str]:
+    """A 3-step run at trainer.staleness=1 through the deployments (rollout on inf while the update
+    trains on trn1+trn2; the logprob stage's pass on the training pool), beside a single-host run of
+    the same config on ctl: placement, the rollout of step k+1 committed before the update of step
+    k (the two pools busy at once), and bit-identical final weights."""
+    say(f"trainer.staleness=1: a {steps}-step deployment run beside a single-host run of the same config")
+    ref = cluster["ctl"].spawn([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu",
+                                "--experiment", "reference-async", *overrides(image, steps), *ASYNC,
+                                "trainer.n_gpus_per_node=2"], env=host_env(cluster), log="reference-async", cwd=REPO)
+    run = run_deployment(cluster, image, "cluster-async", steps=steps, extra=ASYNC)
+    if run.returncode != 0:
+        return [f"the staleness-1 cluster run failed:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"]
+    if ref.wait(timeout=600) != 0:
+        return [f"the staleness-1 single-host run failed:\n{ref.log.read_text()[-4000:]}"]
+    doc = report(cluster, "reference-async", "cluster-async")
+    got = doc["cluster-async"]
+    say("placement the staleness-1 run's manifests record:\n" + placement_table(got))
+    problems = check_placement(got, logprob_on_training=True)
+    ahead = [k for k in range(1, steps) if got["steps"][str(k + 1)]["rollout"]["written_at"]
+             < got["steps"][str(k)]["update"]["written_at"]]
+    say(f"rollouts committed before the previous step's update (the pools overlapping): steps {[k + 1 for k in ahead]}")
+    if not ahead:
+        problems.append("no rollout of the staleness-1 run was committed before the previous step's update")
+    ref_w, got_w = doc["reference-async"]["weights"], got["weights"]
+    same = ref_w.get(str(steps)) is not None and ref_w.get(str(steps)) == got_w.get(str(steps))
+    say(f"staleness-1 final weights (step {steps}) sha256: single host {ref_w.get(str(steps))}  cluster "
+        f"{got_w.get(str(steps))}  {'bit-identical' if same else 'DIFFERENT'}")
+    return problems + ([] if same else ["the staleness-1 cluster run's weights differ from the single-host run's"])
 
 
 FLOW_RUNS = """
