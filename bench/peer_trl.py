@@ -24,7 +24,9 @@ validation, evaluation or checkpoints, fp32. Both generate the step's rows in on
 Variants: trl (one process) and trl-2rank (two processes under torchrun, gloo, as TRL runs data
 parallel); stagerl-{hf|vllm}-{N}rank (trainer.n_gpus_per_node=N; vllm: rollout.name=vllm,
 enforce_eager=true, only with --with-vllm or named), with stagerl's default orchestration (stage
-tasks in the rl-train flow run); a `-subflow` suffix sets orchestration.step_subflow=true. Each is
+tasks in the rl-train flow run); a `-subflow` suffix sets orchestration.step_subflow=true, `-s<N>`
+trainer.staleness=N (stagerl-hf-1rank-s1@mb360, in the default set: step k+1's rollout beside step
+k's update, the hf engine then in its own process; "warm step" is then the period between step ends). Each is
 run at every --micro-batches size (named variant@mbM; a variant named with @mbM runs at that size
 only). Threads: 2 per side: TRL OMP_NUM_THREADS=2 + torch.set_num_threads(2) with one process, 1
 each with two; stagerl's flow process OMP_NUM_THREADS=2 (rollout, and logprob/update with 1 rank);
@@ -62,10 +64,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 PEER = REPO / "bench" / "peer"
-DEFAULT_VARIANTS = ("trl", "trl-2rank", "stagerl-hf-1rank", "stagerl-hf-2rank")
+# -s1: trainer.staleness=1 (step k+1's rollout beside step k's update), at stagerl's best 1-rank micro-batch
+DEFAULT_VARIANTS = ("trl", "trl-2rank", "stagerl-hf-1rank", "stagerl-hf-2rank", "stagerl-hf-1rank-s1@mb360")
 DEFAULT_MICRO_BATCHES = (120, 360, 720)
 VLLM_VARIANT = "stagerl-vllm-1rank"
-VARIANT_RE = re.compile(r"^stagerl-(hf|vllm)-(\d+)rank(-subflow)?$")
+VARIANT_RE = re.compile(r"^stagerl-(hf|vllm)-(\d+)rank(-subflow)?(?:-s(\d+))?$")
 TRL_RE = re.compile(r"^trl(?:-(\d+)rank)?$")
 STAGES = ("rollout", "logprob", "reward", "advantage", "update")
 WORK = {"prompts": 60, "n": 12, "micro_batch": 120, "max_prompt_tokens": 16, "max_response_tokens": 16,
@@ -82,10 +85,11 @@ def parse_variant(name: str) -> dict:
         return {"side": "trl", "ranks": int(match.group(1) or 1), "micro_batch": micro_rows, "base": base}
     match = VARIANT_RE.match(base)
     if not match or (micro and not micro.isdigit()):
-        raise SystemExit(f"unknown variant {name!r}: use trl[-Nrank] or stagerl-{{hf|vllm}}-{{N}}rank[-subflow], "
+        raise SystemExit(f"unknown variant {name!r}: use trl[-Nrank] or stagerl-{{hf|vllm}}-{{N}}rank[-subflow][-s<staleness>], "
                          f"optionally @mb<rows per micro-batch>")
     return {"side": "stagerl", "engine": match.group(1), "ranks": int(match.group(2)),
-            "step_subflow": bool(match.group(3)), "micro_batch": micro_rows, "base": base}
+            "step_subflow": bool(match.group(3)), "staleness": int(match.group(4) or 0),
+            "micro_batch": micro_rows, "base": base}
 
 
 def per_rank_micro(spec: dict) -> int:
@@ -144,7 +148,8 @@ def stagerl_overrides(spec: dict, inputs: dict, work: Path, steps: int) -> list[
            f"trainer.n_gpus_per_node={spec['ranks']}", "trainer.nnodes=1", "trainer.device=cpu",
            f"trainer.total_training_steps={steps}", f"trainer.seed={w['seed']}", "trainer.val_before_train=false",
            "trainer.test_freq=-1", "trainer.save_freq=-1", "warmstart.enable=false",
-           f"orchestration.step_subflow={'true' if spec['step_subflow'] else 'false'}"]
+           f"orchestration.step_subflow={'true' if spec['step_subflow'] else 'false'}",
+           f"trainer.staleness={spec.get('staleness', 0)}"]
     return out
 
 
