@@ -67,6 +67,11 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     assert "old_log_probs" in read_file(store, layout, 2, "logprob").column_names
     assert weights(store, "a", 3) == weights(store, "b", 3)
     assert "timing_s/overlap:" in run.stdout, run.stdout[-3000:]  # step 2+: its rollout beside the previous update
+    # the step report (a Prefect artifact per step) states the overlap achieved
+    reports = json.loads(server.cli("artifact", "inspect", "stagerl-a-step", "-o", "json").stdout)
+    step3 = [a["data"] for a in reports if "stagerl/a: step 3" in a["data"]]
+    assert len(step3) == 1 and "overlap: this step's rollout and reward ran " in step3[0]
+    assert "sampled the weights after update 1 (staleness 1)" in step3[0]
     # inspect: per step the version sampled, the staleness, engine vs trainer and the IS weights
     code = main(["inspect", "a", "--root", str(root), "--step", "3", "--json"])
     policy = json.loads(capsys.readouterr().out)["policy"]
