@@ -49,8 +49,8 @@ def weights(store, experiment, step):
 def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(server, assets, tmp_path, capsys):  # noqa: F811
     """Two 3-step runs at s=1 with one seed: identical weights, rollout rows sampled by versions
     0, 0, 1, old log-probs recomputed (the logprob stage's actor pass), the overlap reported; a
-    third run SIGKILLed in step 2's update (step 3's rollout running or done beside it) and resumed
-    ends with the same weights."""
+    run SIGKILLed in step 2's update (step 3's rollout running or done beside it), another in step
+    3's rollout (step 2's training beside it), each resumed, end with the same weights."""
     root = tmp_path / "runs"
     store = Store.from_config({"root": str(root)})
     for name in ("a", "b"):
@@ -100,12 +100,14 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     assert refused.returncode == 2 and "step_000001 is no longer kept, and the rollout of step 3 " \
         "(trainer.staleness=1) needs it" in refused.stdout, refused.stdout[-2000:]
     # killed in step 2's update after it trained (its commit not written), step 3's rollout beside it
-    killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "c",
-                              *staleness_overrides(assets, root)], fault="update:after_train@2")
-    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
-    c = RunLayout(PROJECT, "c")
-    assert read_manifest(store, c, 2, "update") is None
-    resumed = stagerl(server, ["resume", "c", "--root", str(root)])
-    assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert all(read_manifest(store, c, k, s) for k in (1, 2, 3) for s in STAGES)
-    assert weights(store, "c", 3) == weights(store, "a", 3)
+    for name, fault in (("c", "update:after_train@2"), ("d", "rollout:before_manifest@3")):
+        killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", name,
+                                  *staleness_overrides(assets, root)], fault=fault)
+        assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+        layout = RunLayout(PROJECT, name)
+        stage, step = fault.split(":")[0], int(fault.split("@")[1])
+        assert read_manifest(store, layout, step, stage) is None  # killed inside it
+        resumed = stagerl(server, ["resume", name, "--root", str(root)])
+        assert resumed.returncode == 0, resumed.stdout[-4000:]
+        assert all(read_manifest(store, layout, k, s) for k in (1, 2, 3) for s in STAGES)
+        assert weights(store, name, 3) == weights(store, "a", 3), fault
