@@ -297,6 +297,7 @@ def compute_plan(cfg: dict) -> dict:
     rollout.update(_log_prob_role(cfg, "actor_rollout_ref.rollout", ROLLOUT, dp, sp, rows_per_rank, seq_len,
                                   check_micro=not actor_dynamic))
     rollout["old_log_prob_pass"] = needs_old_log_prob_pass(cfg, actor)
+    check_multi_turn(cfg)
     staleness = check_async(cfg)
     if staleness:  # the rows are off-policy: old log-probs from the current policy (proximal), not the rows' sampler
         rollout["old_log_prob_pass"] = True
@@ -318,6 +319,39 @@ def compute_plan(cfg: dict) -> dict:
         "warnings": warnings,
         **({"async": async_plan(cfg, staleness)} if staleness else {}),  # only when on: the plan is in every fingerprint
     }
+
+
+MULTI_TURN = f"{ROLLOUT}.multi_turn"
+
+
+def multi_turn_enabled(cfg) -> bool:
+    return bool(get_path(cfg, f"{MULTI_TURN}.enable"))
+
+
+def check_multi_turn(cfg) -> None:
+    """Refuse, by name, what the multi-turn agent loop (stages/engines/agent_loop.py) cannot honour:
+    prompts templated with other tools than the loop's, a tool config that is not there, and the
+    features whose extra generations would need their own trajectories (DAPO's dynamic sampling,
+    ReMax's greedy baseline answer)."""
+    tools = get_path(cfg, f"{MULTI_TURN}.tool_config_path")
+    data_tools = get_path(cfg, "data.tool_config_path")
+    for key, path in ((f"{MULTI_TURN}.tool_config_path", tools), ("data.tool_config_path", data_tools)):
+        if path and not Path(os.path.expanduser(str(path))).is_file():
+            raise PlanError(f"{key}={path}: no such file (verl's tool config YAML: a `tools:` list)", (key,))
+    if not multi_turn_enabled(cfg):
+        return
+    if (data_tools or None) != (tools or None):
+        raise PlanError(f"data.tool_config_path={data_tools!r} differs from {MULTI_TURN}.tool_config_path={tools!r}: "
+                        f"the prompts would offer other tools than the agent loop runs; leave data.tool_config_path "
+                        f"at its default (${{{MULTI_TURN}.tool_config_path}})", ("data.tool_config_path",))
+    if get_path(cfg, "algorithm.filter_groups.enable"):
+        raise PlanError(f"{MULTI_TURN}.enable with algorithm.filter_groups.enable: dynamic sampling of multi-turn "
+                        "trajectories is not implemented; disable one of them",
+                        (f"{MULTI_TURN}.enable", "algorithm.filter_groups.enable"))
+    if "baseline" in adv_estimator_needs(cfg):
+        raise PlanError(f"{MULTI_TURN}.enable with algorithm.adv_estimator={get_path(cfg, 'algorithm.adv_estimator')}: "
+                        "its greedy baseline answers would need multi-turn trajectories of their own (not "
+                        "implemented); choose another estimator", (f"{MULTI_TURN}.enable", "algorithm.adv_estimator"))
 
 
 # verl's async_training keys: (key, the only value accepted, why another depends on timing)

@@ -73,7 +73,7 @@ def test_ints_become_floats_and_single_logger_becomes_list():
     (["actor_rollout_ref.actor.loss_agg_mode=token-sum"], "'token-sum' is not one of"),
     (["actor_rollout_ref.rollout.ignore_eos=true"], "ignore_eos=True: stagerl does not implement"),
     (["actor_rollout_ref.model.lora_rank=-1"], "lora_rank=-1: must be >= 0"),
-    (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn.enable=True: stagerl does not implement"),
+    (["actor_rollout_ref.rollout.multi_turn.interaction_config_path=i.yaml"], "interaction_config_path='i.yaml': stagerl does not implement"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], "'bypass_mode' is not one of ['vanilla', 'gspo'"),
     (["+data.train_batch_size=4"], "already in the config; use 'data.train_batch_size=4'"),
     (["~trainer.total_training_steps", "trainer.total_training_steps=3"], "add it with '+trainer.total_training_steps=3'"),
