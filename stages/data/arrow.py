@@ -17,7 +17,7 @@ def row_schema():
 
     return pa.schema([("index", pa.int64()), ("row", pa.int64()), ("prompt_ids", pa.list_(pa.int32())),
                       ("data_source", pa.string()), ("truncated", pa.bool_())]
-                     + [(name, pa.string()) for name in JSON_FIELDS])
+                     + [(name, pa.string()) for name in JSON_FIELDS] + [("agent_name", pa.string())])
 
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -54,7 +54,7 @@ def encode_rows(rows) -> "tuple[object | None, str | None]":
             return None, why_not
     columns = {"index": [r.index for r in rows], "row": [r.row for r in rows],
                "prompt_ids": [r.prompt_ids for r in rows], "data_source": [r.data_source for r in rows],
-               "truncated": [r.truncated for r in rows], **texts}
+               "truncated": [r.truncated for r in rows], **texts, "agent_name": [r.agent_name for r in rows]}
     return pa.table(columns, schema=row_schema()), None
 
 

@@ -20,6 +20,7 @@ Preparing the rows (reading, templating, tokenising) is what costs, and it depen
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,7 @@ class PromptRow:
     ground_truth: str | None
     extra_info: dict = field(default_factory=dict)
     truncated: bool = False
+    agent_name: str = ""  # verl's agent_name column (tool_agent, single_turn_agent); "" when absent
 
 
 @dataclass
@@ -78,6 +80,9 @@ class RowSpec:
     max_samples: int  # train_max_samples or val_max_samples; -1: all rows
     trust_remote_code: bool  # how the tokenizer is loaded when one has to be
     chat_template: str | None = None  # actor_rollout_ref.model.custom_chat_template (None: the tokenizer's)
+    # data.tool_config_path's tool schemas as JSON text (their order kept), given to the chat
+    # template as `tools=` (verl: RLHFDataset and the agent loops); None: no tools
+    tool_schemas: str | None = None
 
     @classmethod
     def from_config(cls, data_config: dict, split: str, chat_template: str | None = None) -> "RowSpec":
@@ -98,7 +103,8 @@ class RowSpec:
                    filter_overlong=bool(cfg.get("filter_overlong_prompts", False)),
                    template_kwargs=dict(cfg.get("apply_chat_template_kwargs") or {}),
                    max_samples=int(cfg.get(samples_key, -1) or -1),
-                   trust_remote_code=bool(cfg.get("trust_remote_code", False)), chat_template=chat_template)
+                   trust_remote_code=bool(cfg.get("trust_remote_code", False)), chat_template=chat_template,
+                   tool_schemas=tool_schemas_json(cfg.get("tool_config_path")))
 
     def key_fields(self) -> dict:
         """Everything but the file names: a cache keys on the files' contents instead."""
@@ -112,6 +118,30 @@ class PreparedRows:
     rows: Sequence
     filtered_count: int
     truncated_count: int
+
+
+def tool_schemas_json(path) -> str | None:
+    """The OpenAI tool schemas of a verl tool config YAML as JSON text (None for no path): what the
+    chat template's `tools=` gets. Each tool's class is built once to read its schema (a config
+    naming no schema uses the tool's own), as verl's initialize_tools_from_config does."""
+    if not path:
+        return None
+    import os
+
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise FileNotFoundError(f"data.tool_config_path={path}: {err.strerror}") from None
+    return _tool_schemas(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _tool_schemas(path: str, mtime_ns: int, size: int) -> str:
+    from stages.tools.registry import build_tools, read_tool_config
+
+    tools = build_tools(read_tool_config(path))
+    return json.dumps([tool.tool_schema.model_dump() for tool in tools.values()], ensure_ascii=False)
 
 
 def _as_list(files) -> list[str]:
@@ -152,10 +182,11 @@ def prepare_rows(spec: RowSpec, tokenizer) -> PreparedRows:
         records = records[:spec.max_samples]
     refuse_records(records, where, spec.prompt_key, spec.reward_fn_key, spec.files)
     texts = []
+    tools = {"tools": json.loads(spec.tool_schemas)} if spec.tool_schemas else {}
     for record in records:
         texts.append(tokenizer.apply_chat_template(
             record[spec.prompt_key], add_generation_prompt=True, tokenize=False,
-            **({"chat_template": spec.chat_template} if spec.chat_template else {}), **spec.template_kwargs))
+            **({"chat_template": spec.chat_template} if spec.chat_template else {}), **tools, **spec.template_kwargs))
     all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
     rows, filtered, truncated = [], 0, 0
@@ -177,6 +208,7 @@ def prepare_rows(spec: RowSpec, tokenizer) -> PreparedRows:
             ground_truth=reward_model.get("ground_truth"),
             extra_info=extra,
             truncated=len(ids) != len(all_ids[number]),
+            agent_name=str(record.get("agent_name") or ""),
         ))
     return PreparedRows(rows, filtered, truncated)
 
