@@ -43,6 +43,7 @@ CONFIG_KEYS = ("data", "actor_rollout_ref.model.path", "actor_rollout_ref.model.
 FILTER_KEYS = ("algorithm.filter_groups", "data.reward_fn_key", "custom_reward_function", "reward",
                "reward_model.reward_manager", "reward_model.overlong_buffer")
 ROLLOUT = "actor_rollout_ref.rollout"
+TURNS = "rollout/turns.parquet"  # multi-turn: one row per assistant turn and tool call
 
 
 def stage_fingerprint(ctx) -> str:
@@ -61,6 +62,8 @@ def stage_fingerprint(ctx) -> str:
         base = hash_obj({"base": base, "baseline": "greedy, one per prompt"})
     if ctx.staleness():  # (only when on: a staleness-0 rollout keeps its fingerprint)
         base = hash_obj({"base": base, "staleness": ctx.staleness()})
+    if multi_turn(ctx):  # the tools' config file's content, not only its path
+        base = hash_obj({"base": base, "tool_config": _tool_config_digest(ctx)})
     policy_step = ctx.rollout_policy_step()  # step k-1, or k-1-staleness
     if policy_step == 0 and not ctx.get("warmstart.enable"):
         return base  # the initial model: its path is in CONFIG_KEYS
@@ -124,11 +127,48 @@ def _truth_text(truth) -> str:
     return truth if isinstance(truth, str) else json.dumps(truth, sort_keys=True, default=str)
 
 
+def multi_turn(ctx) -> bool:
+    """actor_rollout_ref.rollout.multi_turn.enable: rows run verl's agent loops
+    (stages.engines.agent_loop)."""
+    return bool(ctx.get(f"{ROLLOUT}.multi_turn.enable"))
+
+
+def _tool_config_digest(ctx) -> str | None:
+    import os
+
+    path = ctx.get(f"{ROLLOUT}.multi_turn.tool_config_path")
+    if not path:
+        return None
+    with open(os.path.expanduser(str(path)), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def rollout_tools(ctx):
+    """(ToolSet of multi_turn.tool_config_path, whether this call owns it): the run's resident one
+    (ctx.session.tools) or one started for this call; (None, False) without a tool config."""
+    mt = dict(ctx.get(f"{ROLLOUT}.multi_turn") or {})
+    path = mt.get("tool_config_path")
+    if not path:
+        return None, False
+    import os
+
+    path = os.path.expanduser(str(path))
+    workers, timeout = mt.get("tool_workers"), float(mt.get("tool_timeout_s") or 30.0)
+    if ctx.session is not None:
+        return ctx.session.tools(path, workers, timeout), False
+    from stages.tools.toolset import ToolSet
+
+    return ToolSet.from_config(path, num_workers=workers, timeout_s=timeout, instance_per="call"), True
+
+
 def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpose: str = STAGE,
-                   position_offset: int = 0):
+                   position_offset: int = 0, turns_out: list | None = None):
     """Generate `sampling.n` responses for each PromptRow; returns (columns, engine timings).
     `tokenizer()` gives the model's tokenizer (called only when no resident worker decodes).
-    position_offset numbers the prompts in uids (dynamic sampling's later generation batches)."""
+    position_offset numbers the prompts in uids (dynamic sampling's later generation batches).
+    With multi_turn.enable each row runs its agent loop (stages.engines.agent_loop): the columns
+    gain response_mask and num_turns, and `turns_out` (when given) one dict per turn and tool call
+    (the rollout/turns.parquet rows)."""
     n = sampling.n
     prompt_ids = [list(p.prompt_ids) for p in prompts for _ in range(n)]
     for row, ids in enumerate(prompt_ids):
@@ -143,7 +183,13 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
         options.prompts_per_replica = None  # not a training batch: split evenly over the replicas
     engine = ctx.get(f"{ROLLOUT}.name", "hf")
     engines = rollout_engines(ctx)
-    gens = engines.generate(engine, prompt_ids, seeds, sampling, options)
+    uids = [_uid(ctx.step, position_offset + i, p) for i, p in enumerate(prompts)]
+    trajectories = None
+    if multi_turn(ctx):
+        gens, trajectories = _agent_loops(ctx, prompts, prompt_ids, uids, base, sampling, options, engine,
+                                          engines, tokenizer)
+    else:
+        gens = engines.generate(engine, prompt_ids, seeds, sampling, options)
     engines.sleep()  # GPU + rollout.free_cache_engine: the update gets the memory back
 
     # resident workers decode next to the engine (this process then needs no tokenizer)
@@ -160,7 +206,7 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
                "finish_reason": [g.finish_reason for g in gens],
                "data_source": [], "ground_truth": [], "extra_info": []}
     for i, p in enumerate(prompts):
-        uid = _uid(ctx.step, position_offset + i, p)
+        uid = uids[i]
         for k in range(n):
             columns["uid"].append(uid)
             columns["sample_index"].append(k)
@@ -168,12 +214,88 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
             columns["prompt_ids"].append(list(p.prompt_ids))
             columns["data_source"].append(p.data_source)
             columns["ground_truth"].append(_truth_text(p.ground_truth))
-            columns["extra_info"].append(json.dumps(p.extra_info, sort_keys=True, default=str))
+            extra = p.extra_info
+            if trajectories is not None:  # what verl's reward managers add for compute_score
+                t = trajectories[i * n + k]
+                extra = {**extra, "num_turns": t.num_turns, "rollout_reward_scores": {},
+                         "turn_scores": [], "tool_rewards": list(t.tool_rewards)}
+            columns["extra_info"].append(json.dumps(extra, sort_keys=True, default=str))
     if sampling.log_probs:
         columns["rollout_log_probs"] = [g.log_probs for g in gens]
+    if trajectories is not None:
+        columns["response_mask"] = [t.response_mask for t in trajectories]
+        columns["num_turns"] = [t.num_turns for t in trajectories]
+        if turns_out is not None:
+            turns_out += turn_rows(ctx.step, columns, trajectories)
     if training:  # the update whose weights sampled these rows (trainer.staleness)
         columns["policy_version"] = [ctx.rollout_policy_step()] * len(gens)
     return columns, {"engine": engine, **options.timings}
+
+
+def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, options, engine, engines,
+                 tokenizer):
+    """Every row through its agent loop (verl's agent_name: tool_agent or single_turn_agent; rows
+    without one: rollout.agent.default_agent_loop). Returns (Generations of the whole responses,
+    the Trajectories); options.timings gets the engine's timings and the loop's."""
+    from stages.engines import Generation
+    from stages.engines.agent_loop import AgentLoop, LoopSettings
+
+    n = sampling.n
+    default_agent = ctx.get(f"{ROLLOUT}.agent.default_agent_loop") or "single_turn_agent"
+    agents = [p.agent_name or default_agent for p in prompts for _ in range(n)]
+    kwargs = [dict(p.extra_info.get("tools_kwargs") or {}) for p in prompts for _ in range(n)]
+    keys = [f"{uid}#{k}" for uid in uids for k in range(n)]
+    timings: dict = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0}
+
+    def generate(rows, row_sampling, call_seed, row_seeds):
+        call = dataclasses.replace(options, rollout={**options.rollout, "hf_generate_batch_size": max(1, len(rows))},
+                                   step_seed=call_seed, prompts_per_replica=None, timings={})
+        gens = engines.generate(engine, rows, row_seeds, row_sampling, call)
+        for key in ("engine_start_s", "load_weights_s"):
+            timings[key] += float(call.timings.get(key) or 0.0)
+        timings["started"] += int(call.timings.get("started") or 0)
+        if call.timings.get("notes"):
+            timings["notes"] = call.timings["notes"]
+        return gens
+
+    group_rows = max(1, int(ctx.get(f"{ROLLOUT}.hf_generate_batch_size") or 64)) * n
+    template_kwargs = dict(ctx.get("data.apply_chat_template_kwargs") or {})
+    if ctx.get("actor_rollout_ref.model.custom_chat_template"):
+        template_kwargs["chat_template"] = ctx.get("actor_rollout_ref.model.custom_chat_template")
+    tools, owned = rollout_tools(ctx)
+    try:
+        loop = AgentLoop(generate, tokenizer(), tools,
+                         LoopSettings.from_rollout(dict(ctx.get(ROLLOUT) or {}), sampling.max_new_tokens),
+                         sampling, template_kwargs=template_kwargs)
+        trajectories = loop.run(prompt_ids, agents, kwargs, keys, seed=base, group_rows=group_rows)
+        tool_metrics = tools.metrics(reset=True) if tools is not None else {}
+    finally:
+        if owned:
+            tools.close()
+    stats = {k: round(v, 4) if isinstance(v, float) else v for k, v in loop.stats.items()}
+    options.timings.update({**timings, "generate_s": stats["generate_s"], "wall_s": stats["wall_s"],
+                            "agent_loop": stats, "tools": tool_metrics})
+    gens = [Generation(t.response_ids, t.finish_reason, t.log_probs) for t in trajectories]
+    return gens, trajectories
+
+
+TURN_COLUMNS = ("step", "row", "uid", "sample_index", "turn", "role", "call", "tool", "arguments", "response",
+                "token_start", "token_end", "mask", "latency_s", "error", "detail", "reward", "finish_reason",
+                "token_ids")
+
+
+def turn_rows(step: int, columns: dict, trajectories) -> list[dict]:
+    """rollout/turns.parquet's rows: one per assistant turn and one per tool call, in order."""
+    rows = []
+    for row, traj in enumerate(trajectories):
+        for rec in traj.turns:
+            rows.append({"step": step, "row": row, "uid": columns["uid"][row],
+                         "sample_index": columns["sample_index"][row], "turn": rec.turn, "role": rec.role,
+                         "call": rec.call, "tool": rec.tool, "arguments": rec.arguments, "response": rec.text,
+                         "token_start": rec.start, "token_end": rec.end, "mask": rec.mask,
+                         "latency_s": rec.latency_s, "error": rec.error, "detail": rec.detail or None,
+                         "reward": rec.reward, "finish_reason": rec.finish_reason, "token_ids": rec.token_ids})
+    return rows
 
 
 def generate_baseline(ctx, columns: dict, sampling: Sampling, model_dir, tokenizer):
@@ -272,7 +394,10 @@ def run(ctx) -> dict:
             ctx, dataset, sampling, model_dir, tokenizer, sample_prompts, rule_rewards)
     else:
         batch = dataset.batch_for_step(ctx.step - 1)
-        columns, engine_timings = sample_prompts(ctx, batch.rows, sampling, model_dir, tokenizer)
+        turns = [] if multi_turn(ctx) else None
+        columns, engine_timings = sample_prompts(ctx, batch.rows, sampling, model_dir, tokenizer, turns_out=turns)
+        if turns is not None:
+            files[TURNS] = make_table("rollout_turns", {c: [t[c] for t in turns] for c in TURN_COLUMNS})
         positions = {"data_position": batch.next_position.to_dict(), "batch_position": batch.position.to_dict(),
                      "epoch": batch.epoch}
     t_gen = time.perf_counter()
@@ -309,6 +434,10 @@ def run(ctx) -> dict:
     }
     if baseline is not None:  # rollout/baseline.parquet: greedy answers, not training rows
         extra["baseline"] = baseline
+    if TURNS in files:
+        extra["multi_turn"] = multi_turn_summary(columns, files[TURNS], engine_timings)
+        extra["metrics"].update({f"multi_turn/{k}": v for k, v in extra["multi_turn"].items()
+                                 if isinstance(v, (int, float))})
     fingerprint = stage_fingerprint(ctx)
     if ctx.session is not None and ctx.rollout_policy_step() > 0:
         t_wait = time.perf_counter()  # a committed rollout k implies a committed update of its policy
@@ -316,6 +445,34 @@ def run(ctx) -> dict:
         timings["wait_for_update_commit_s"] = round(time.perf_counter() - t_wait, 4)
     return write_stage(ctx.store, ctx.layout, ctx.step, STAGE, {"rollout.parquet": table, **files},
                        fingerprint=fingerprint, inputs={}, timings=timings, extra=extra)
+
+
+def multi_turn_summary(columns: dict, turns, engine_timings: dict) -> dict:
+    """The manifest's extra["multi_turn"]: turns per trajectory, tool calls and errors by kind, the
+    share of response tokens under the mask, and the loop's generation / tool-wait seconds."""
+    from stages.tools.base import ERROR_KINDS
+
+    t = turns.to_pydict()
+    tool = [i for i, role in enumerate(t["role"]) if role == "tool"]
+    rows = len(columns["uid"])
+    tokens = sum(columns["response_length"])
+    masked = sum(sum(m) for m in columns["response_mask"])
+    errors = [t["error"][i] for i in tool if t["error"][i] is not None]
+    loop = engine_timings.get("agent_loop") or {}
+    out = {"trajectories": rows, "num_turns_mean": sum(columns["num_turns"]) / rows if rows else 0.0,
+           "assistant_turns_mean": t["role"].count("assistant") / rows if rows else 0.0,
+           "tool_calls": len(tool), "tool_calls_per_trajectory": len(tool) / rows if rows else 0.0,
+           "tool_errors": len(errors), "tool_error_rate": len(errors) / len(tool) if tool else 0.0,
+           **{f"tool_errors/{k}": errors.count(k) for k in ERROR_KINDS},
+           "tool_turns_cut": loop.get("tool_turns_cut", 0),
+           "response_tokens": tokens, "llm_tokens": masked, "tool_tokens": tokens - masked,
+           "generate_s": loop.get("generate_s"), "tool_wait_s": loop.get("tool_wait_s"),
+           "tool_s": loop.get("tool_s"), "engine_calls": loop.get("engine_calls"), "rounds": loop.get("rounds"),
+           "calls_by_tool": {}}
+    for i in tool:
+        name = t["tool"][i] or "?"
+        out["calls_by_tool"][name] = out["calls_by_tool"].get(name, 0) + 1
+    return out
 
 
 def generate_validation(ctx) -> list[dict]:

@@ -6,6 +6,7 @@ start once per run:
 
 - `engines()`: the rollout replicas' engines (stages.engines.service.RolloutEngines, resident);
 - `scorers(spec, num_workers, timeout_s)`: the reward scorer processes (stages.scoring.pool);
+- `tools(tool_config_path, num_workers, timeout_s)`: the multi-turn tool workers (stages.tools);
 - `defer(...)` / `wait_commits()`: a stage's commit (uploads, then its manifest) in a background
   thread, overlapping the next stage (the update's, with the next step's rollout);
 - `memo(key, make)`: small things derived from immutable inputs (a tokenizer by its files'
@@ -75,6 +76,26 @@ class RunSession:
         if pool is None:
             pool = self._memo["scorers"] = ScorerPool(spec, num_workers, timeout_s)
         return pool
+
+    def tools(self, tool_config_path: str, num_workers: int | None, timeout_s: float):
+        """The run's tool workers (stages.tools.toolset.ToolSet, verl's agent-loop instances: one per
+        call) for multi-turn rollouts, started on first use and kept for the run; other settings or
+        a changed tool config file close it and start another."""
+        import hashlib
+
+        from stages.tools.toolset import ToolSet
+
+        with open(tool_config_path, "rb") as f:
+            key = (tool_config_path, hashlib.sha256(f.read()).hexdigest(), num_workers, float(timeout_s))
+        held = self._memo.get("tools")
+        if held is not None and held.key != key:
+            held.close()
+            held = None
+        if held is None:
+            held = self._memo["tools"] = ToolSet.from_config(tool_config_path, num_workers=num_workers,
+                                                             timeout_s=timeout_s, instance_per="call")
+            held.key = key
+        return held
 
     # ---- background commits -------------------------------------------------------------------
     def defer(self, stage: str, step: int, fingerprint: str, commit, local_weights=None) -> None:

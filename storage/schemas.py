@@ -11,6 +11,7 @@ I64 = pa.int64()
 STR = pa.string()
 TOK_F32 = pa.list_(F32)
 TOK_I32 = pa.list_(I32)
+TOK_I8 = pa.list_(pa.int8())
 
 
 class SchemaError(ValueError):
@@ -91,8 +92,25 @@ SCHEMAS = {
                   ("finish_reason", STR), ("data_source", STR), ("ground_truth", STR),
                   ("extra_info", STR)],
         # policy_version: the update whose weights sampled the row (0: the initial or warm-start weights)
-        optional=[("rollout_log_probs", TOK_F32), ("policy_version", I32)],
-        per_token=("response_ids", "rollout_log_probs"),
+        # multi-turn (actor_rollout_ref.rollout.multi_turn.enable): response_ids hold every turn after
+        # the prompt; response_mask is 1 on the tokens the policy sampled and 0 on tool-response tokens
+        # (verl's), num_turns verl's count (assistant + tool turns + 1)
+        optional=[("rollout_log_probs", TOK_F32), ("policy_version", I32), ("response_mask", TOK_I8),
+                  ("num_turns", I32)],
+        per_token=("response_ids", "rollout_log_probs", "response_mask"),
+        together=[("response_mask", "num_turns")],
+    ),
+    # rollout/turns.parquet (multi-turn): one row per assistant turn and per tool call, in order;
+    # `row` is the trajectory's row in rollout.parquet; token_start/token_end its turn's span in
+    # response_ids (a tool turn's calls share it; empty when the response length cut the turn off),
+    # token_ids those tokens, mask the response_mask over them (1 assistant, 0 tool); response the
+    # assistant's decoded text (special tokens kept) or the tool message's content
+    "rollout_turns": StageSchema(
+        "rollout_turns",
+        required=[("step", I32), ("row", I32), ("uid", STR), ("sample_index", I32), ("turn", I32), ("role", STR),
+                  ("call", I32), ("tool", STR), ("arguments", STR), ("response", STR), ("token_start", I32),
+                  ("token_end", I32), ("mask", I32), ("latency_s", F32), ("error", STR), ("detail", STR),
+                  ("reward", F32), ("finish_reason", STR), ("token_ids", TOK_I32)],
     ),
     "logprob": StageSchema(
         "logprob",
@@ -153,6 +171,7 @@ FILE_SCHEMAS = {
     "rollout.parquet": "rollout",
     "rollout/candidates.parquet": "rollout_candidates",
     "rollout/baseline.parquet": "rollout",  # greedy baseline answers, one per prompt (remax)
+    "rollout/turns.parquet": "rollout_turns",  # multi-turn: every assistant turn and tool call
     "reward/baseline.parquet": "reward_baseline",
     "logprob.parquet": "logprob",
     "reward.parquet": "reward",
