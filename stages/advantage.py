@@ -2,7 +2,9 @@
 
 1. token_level_scores: each row's reward score at its last valid response token (index
    response_length - 1), zeros elsewhere (verl's naive reward manager). An empty response has no
-   token to carry a score.
+   token to carry a score. The response mask is the response's tokens, times rollout.parquet's
+   response_mask when the rollout has one (multi-turn: tool-response tokens are 0, so they get no
+   advantage, return or KL, as in verl).
 2. algorithm.use_kl_in_reward: token_level_rewards = scores - beta * kl_penalty(old, ref) (kind
    algorithm.kl_penalty) via stages.algos.kl.apply_kl_penalty; beta comes from algorithm.kl_ctrl
    (fixed | adaptive). The adaptive coefficient is run state: step 1 starts from the config, step
@@ -164,6 +166,8 @@ def load_batch(ctx, need_values: bool, need_ref: bool, need_policy: tuple = ()) 
     bs = len(lengths)
     n, p = torch.tensor(lengths).view(bs, 1), torch.tensor(prompt_lengths).view(bs, 1)
     mask = (torch.arange(width).view(1, -1) < n).to(torch.float32)
+    if "response_mask" in rollout.schema.names:  # multi-turn: tool-response tokens carry no loss, KL or advantage
+        mask = mask * stored_response_mask(rollout.column("response_mask").to_pylist(), lengths, width)
     columns = torch.arange(prompt_width + width).view(1, -1)  # left-padded prompt, right-padded response
     attention = ((columns >= prompt_width - p) & (columns < prompt_width + n)).to(torch.float32)
     scores = torch.zeros((bs, width), dtype=torch.float32)
@@ -184,6 +188,19 @@ def load_batch(ctx, need_values: bool, need_ref: bool, need_policy: tuple = ()) 
                                       f"(needed by {why})")
         batch[name] = pad(logprob.column(name).to_pylist(), lengths, width, name)
     return batch
+
+
+def stored_response_mask(masks, lengths, width: int) -> torch.Tensor:
+    """rollout.parquet's response_mask (multi-turn: 1 on sampled tokens, 0 on tool responses) as a
+    (bs, width) float32 tensor, zero padded; a row whose mask is not its response's length is refused."""
+    out = torch.zeros((len(masks), width), dtype=torch.float32)
+    for i, (mask, n) in enumerate(zip(masks, lengths)):
+        if mask is None or len(mask) != n:
+            raise AdvantageInputError(f"rollout.parquet row {i}: response_mask has "
+                                      f"{'no' if mask is None else len(mask)} tokens, response_length is {n}")
+        if n:
+            out[i, :n] = torch.tensor(mask, dtype=torch.float32)
+    return out
 
 
 def check_same_rollout(ctx, rollout_rows: int, logprob_rows: int, reward_rows: int) -> None:

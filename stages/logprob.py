@@ -26,7 +26,9 @@
    extra["micro_batches"][role][rank], which the update stage adds to microbatches.parquet as
    role "logprob/<role>"; a progress bar (rank 0) counts micro-batches.
 The vocab projection is chunked (stages.model.models.response_log_probs): no full-vocab log-softmax
-of a whole micro-batch is ever held."""
+of a whole micro-batch is ever held. A multi-turn rollout's tool-response tokens (rollout.parquet's
+response_mask 0) get 0 in every column: they are not the policy's (the update and the advantage
+stage mask them too)."""
 from __future__ import annotations
 
 import gc
@@ -271,6 +273,12 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     seqlens = [len(p) + len(r) for p, r in zip(prompts, responses)]
     mine = batching.balance_partitions(seqlens, world)[rank]
     rows = [{"prompt_ids": prompts[i], "response_ids": responses[i]} for i in mine]
+    # multi-turn: the values of tool-response tokens (response_mask 0) are stored as 0
+    masks = None
+    if "response_mask" in rollout.schema.names:
+        stored = rollout.column("response_mask").to_pylist()
+        masks = [stored[i] for i in mine]
+        del stored
     del prompts, responses, rollout
     my_lens = [seqlens[i] for i in mine]
     out = {"rows": mine, "loads": {}, "micro_batches": {}, "timings": {}, "host": socket.gethostname()}
@@ -306,6 +314,8 @@ def rank_main(ctx, rank: int, world: int) -> dict:
         order = [binning.rows_of(mb) for mb in micro]
         for name, per_mb in chunks.items():
             out[name] = [v.tolist() for v in batching.restore_order(per_mb, order)]
+            if masks is not None:
+                out[name] = [[v if m else 0.0 for v, m in zip(values, mask)] for values, mask in zip(out[name], masks)]
         del model
         gc.collect()
         out["timings"][role] = round(time.perf_counter() - t0, 4)

@@ -319,6 +319,8 @@ def engine_mismatch(ctx, results: list) -> dict:
     if [len(r) for r in old] != [len(r) for r in engine]:
         raise ValueError(f"step {ctx.step}: rollout_log_probs and the trainer's old log-probs differ in length")
     old_t, mask = pad_rows(old)
+    if "response_mask" in rollout.schema.names:  # multi-turn: only the tokens the engine sampled
+        mask = mask * pad_rows(rollout.column("response_mask").to_pylist(), mask.shape[1])[0]
     return offpolicy_metrics(old_t, pad_rows(engine)[0], mask)
 
 

@@ -147,6 +147,8 @@ class UpdateJob:
         for role in self.roles:
             cols.update(role.columns())
         tables = {name: read_table(ctx.store, ctx.layout, ctx.step, name) for name in ("rollout", "logprob", "advantage")}
+        if "response_mask" in tables["rollout"].column_names:  # multi-turn: tool-response tokens are not trained
+            cols["response_mask"] = "rollout"
         n = tables["rollout"].num_rows
         for name, t in tables.items():
             rows = t.num_rows if t.num_columns else 0
@@ -233,7 +235,9 @@ class UpdateJob:
     def _mini_batch(self, ctx, role, mini_rows, dp, epoch, mb_index, records) -> dict:
         plan, engine = role.plan, role.engine
         resp = [len(r["response_ids"]) for r in mini_rows]
-        global_tokens, global_rows = _all_sum([sum(resp), sum(1 for n in resp if n > 0)], "cpu")
+        masked = "response_mask" in mini_rows[0] if mini_rows else False
+        trained = [sum(r["response_mask"]) for r in mini_rows] if masked else resp
+        global_tokens, global_rows = _all_sum([sum(trained), sum(1 for n in resp if n > 0)], "cpu")
         if global_tokens <= 0:
             raise ValueError(f"step {ctx.step}: a {role.name} mini-batch has no response tokens on any rank")
         dynamic = plan["use_dynamic_bsz"]
@@ -248,6 +252,9 @@ class UpdateJob:
         for j, idx in enumerate(micro):
             part = [mini_rows[i] for i in binning.rows_of(idx)]
             batch = binning.collate_bins([[mini_rows[i] for i in b] for b in idx], self.pad_id, self.device)
+            if masked:  # multi-turn: the stored response_mask (0 on tool-response tokens)
+                mask = self.per_token(part, "response_mask", batch["response_width"])
+                batch["response_mask"] = batch["response_mask"] * mask.to(batch["response_mask"].dtype)
             engine.set_gradient_accumulation_boundary(j == len(micro) - 1)
             loss, micro_stats = role.loss(ctx, self, part, batch, agg)
             engine.backward(loss, scale_wrt_gas=False)
@@ -270,7 +277,10 @@ class UpdateJob:
             return
         for j, row in enumerate(part):
             n = len(row["response_ids"])
-            self.forward_values[row["index"]] = (old[j, :n].tolist(), entropy[j, :n].detach().tolist())
+            values = (old[j, :n].tolist(), entropy[j, :n].detach().tolist())
+            if "response_mask" in row:  # as the logprob stage stores them: 0 on tool-response tokens
+                values = tuple([v if m else 0.0 for v, m in zip(vs, row["response_mask"])] for vs in values)
+            self.forward_values[row["index"]] = values
 
     def _role_metrics(self, role, sums, grad_norms, skipped, steps) -> dict:
         keys = sorted(sums)

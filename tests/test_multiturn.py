@@ -1,0 +1,365 @@
+"""Multi-turn tool-calling rollouts (issue 36): verl's tool agent loop, token in, token out.
+
+A port of verl's tool-agent test assertions (tests/experimental/agent_loop/test_basic_agent_loop.py:
+no tool-response token under the response mask, the turn limits, max_parallel_calls, a tool error
+is a response), each on the AgentLoop driven by a scripted Engine (stages.engines' interface; its
+turns are a function of the conversation) with the real calculator in the real ToolSet workers,
+and end to end through the rollout stage with the real hf engine and the tiny model taught to call
+the calculator (tests/_multiturn_setup.py), then logprob, reward, advantage and update on those
+rows: the stored mask is honoured everywhere."""
+import json
+
+import pytest
+
+from _multiturn_setup import (ScriptedEngine, scripted_generate, teach_tool_calls, tool_row, trajectories,
+                              write_calc_config, write_tool_dataset)
+from _rollout_setup import make_assets, make_ctx, rollout_bytes
+from configs.loader import load_config
+from configs.schema import ConfigError
+from configs.suggest import make_plan
+from stages import rollout
+from stages.engines import EngineSpec, Sampling
+from stages.engines.agent_loop import AgentLoop, LoopSettings, _template_ids
+from stages.tools.toolset import ToolSet, truncate_response
+from storage.artifacts import read_file, read_table
+
+MT = "actor_rollout_ref.rollout.multi_turn"
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop, driven by a scripted engine
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("mt-assets"))
+
+
+@pytest.fixture(scope="module")
+def calc_config(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mt-tools")
+    path = folder / "tools.yaml"
+    path.write_text("tools:\n  - class_name: calculator\n    config: {type: native}\n"
+                    "  - class_name: _tool_fixtures.SleepTool\n    config: {type: native}\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def toolset(calc_config):
+    with ToolSet.from_config(calc_config, num_workers=2, timeout_s=20.0, instance_per="call") as tools:
+        tools.start(wait=True)
+        yield tools
+
+
+@pytest.fixture(scope="module")
+def scripted(assets):
+    from stages.model.models import load_tokenizer
+
+    engine = ScriptedEngine()
+    engine.start(EngineSpec(engine="scripted", model_dir=str(assets[0]), rollout=()))
+    return engine, load_tokenizer(assets[0])
+
+
+def run_loop(scripted, toolset, questions, response_length=400, agents=None, calls=None, group_rows=8, **settings):
+    engine, tokenizer = scripted
+    prompts = [_template_ids(tokenizer, [{"role": "user", "content": q}], True, {}) for q in questions]
+    loop = AgentLoop(scripted_generate(engine, calls), tokenizer, toolset,
+                     LoopSettings(response_length=response_length, **settings), Sampling(do_sample=False))
+    trajs = loop.run(prompts, agents or ["tool_agent"] * len(prompts), [{}] * len(prompts),
+                     [f"q{i}-{id(loop)}" for i in range(len(prompts))], seed=3, group_rows=group_rows)
+    return loop, trajs
+
+
+def spans(traj):
+    """[(turn, role, start, end, token ids)] of the distinct turns, in order."""
+    seen = {}
+    for rec in traj.turns:
+        seen.setdefault(rec.turn, (rec.turn, rec.role, rec.start, rec.end, rec.token_ids))
+    return [seen[t] for t in sorted(seen)]
+
+
+def check_trajectory(traj, tokenizer):
+    """verl's assertions on one trajectory: mask 1 exactly on assistant tokens, 0 exactly on tool
+    tokens; the turns concatenated are the response; it ends on an assistant turn."""
+    assert len(traj.response_ids) == len(traj.response_mask)
+    joined = []
+    for turn, role, start, end, ids in spans(traj):
+        assert start == len(joined) and traj.response_ids[start:end] == ids
+        assert traj.response_mask[start:end] == [1 if role == "assistant" else 0] * len(ids)
+        if role == "tool" and ids:   # the tool message, templated: never under the mask
+            assert tokenizer.decode(ids).startswith("<|im_start|>tool\n")
+        elif role == "tool":   # a tool turn the response length cut off: the last, empty
+            assert (turn, start, end) == (spans(traj)[-1][0], len(traj.response_ids), len(traj.response_ids))
+        joined += ids
+    assert joined == traj.response_ids
+    assert traj.turns[-1].role == "assistant" or traj.turns[-1].end == traj.turns[-1].start  # never ends on a tool turn
+    assert traj.response_mask[-1] == 1
+    tool_text = "".join(tokenizer.decode([t]) for t, m in zip(traj.response_ids, traj.response_mask) if not m)
+    assert "<tool_call>" not in tool_text
+
+
+def test_tool_tokens_are_never_under_the_mask_and_turns_concatenate(scripted, toolset):
+    _, tokenizer = scripted
+    loop, trajs = run_loop(scripted, toolset, ["call 1 2", "call 2 1", "plain"], max_parallel_calls=2)
+    for traj in trajs:
+        check_trajectory(traj, tokenizer)
+    first, second, plain = trajs
+    assert [r.role for r in first.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert (first.assistant_turns, first.user_turns, first.num_turns) == (3, 2, 6)
+    assert [r.text for r in first.turns if r.role == "tool"] == ["0", "1"]    # 0 + 0, then 1 + 0
+    assert [r.text for r in second.turns if r.role == "tool"] == ["0", "1"]   # 0 + 0 and 0 + 1 in one turn
+    assert tokenizer.decode(second.turns[1].token_ids) == "<|im_start|>tool\n0<|im_end|>\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>assistant\n"
+    assert first.turns[-1].text == "#### done<|im_end|>" and first.finish_reason == "stop"
+    assert (plain.assistant_turns, plain.user_turns, plain.response_mask) == (1, 0, [1] * len(plain.response_ids))
+    assert loop.stats["tool_calls"] == 4 and first.tool_rewards == [0.0, 0.0]
+
+
+def test_single_turn_agent_rows_never_call(scripted, toolset):
+    _, trajs = run_loop(scripted, toolset, ["call 1 2"], agents=["single_turn_agent"])
+    assert trajs[0].assistant_turns == 1 and [r.role for r in trajs[0].turns] == ["assistant"]
+    assert "<tool_call>" in trajs[0].turns[0].text   # the call is text, not run
+
+
+def test_turn_limits(scripted, toolset):
+    _, tokenizer = scripted
+    # verl: the checks follow each assistant turn: assistant turns, then tool turns already appended
+    _, (a,) = run_loop(scripted, toolset, ["forever"], max_assistant_turns=3)
+    _, (u,) = run_loop(scripted, toolset, ["forever"], max_user_turns=2)
+    _, (one,) = run_loop(scripted, toolset, ["forever"], max_assistant_turns=1)
+    assert (a.assistant_turns, a.user_turns) == (3, 2)
+    assert (u.assistant_turns, u.user_turns) == (3, 2)
+    assert (one.assistant_turns, one.user_turns, [r.role for r in one.turns]) == (1, 0, ["assistant"])
+    # no limit: the response length ends it, on an assistant turn, never past response_length
+    _, (free,) = run_loop(scripted, toolset, ["forever"], response_length=300)
+    for traj in (a, u, one, free):
+        check_trajectory(traj, tokenizer)
+    assert len(free.response_ids) <= 300 and free.finish_reason == "length" and free.user_turns >= 2
+
+
+def test_a_tool_turn_that_would_fill_the_response_ends_the_trajectory_before_it(scripted, toolset):
+    _, tokenizer = scripted
+    _, (full,) = run_loop(scripted, toolset, ["call 1 1"])
+    first_turn, tool_turn = full.turns[0].end, full.turns[1].end - full.turns[1].start
+    # verl: len(mask) + len(tool ids) >= response_length ends it (the tool turn is not appended)
+    _, (cut,) = run_loop(scripted, toolset, ["call 1 1"], response_length=first_turn + tool_turn)
+    check_trajectory(cut, tokenizer)
+    assert cut.response_ids == full.response_ids[:first_turn] and cut.response_mask == [1] * first_turn
+    assert (cut.assistant_turns, cut.user_turns, cut.finish_reason) == (1, 0, "length")
+    assert [(r.role, r.start, r.end, r.text) for r in cut.turns[1:]] == [("tool", first_turn, first_turn, "0")]
+    _, (fits,) = run_loop(scripted, toolset, ["call 1 1"], response_length=first_turn + tool_turn + 1)
+    assert fits.user_turns == 1 and fits.response_ids[:first_turn + tool_turn] == full.response_ids[:first_turn + tool_turn]
+    assert len(fits.response_ids) == first_turn + tool_turn + 1 and fits.finish_reason == "length"
+
+
+def test_max_parallel_calls(scripted, toolset):
+    _, tokenizer = scripted
+    for limit in (1, 2, 5):
+        _, (traj,) = run_loop(scripted, toolset, ["call 3 1"], max_parallel_calls=limit)
+        check_trajectory(traj, tokenizer)
+        tool = [r for r in traj.turns if r.role == "tool"]
+        ran = min(limit, 3)
+        assert [r.call for r in tool] == list(range(ran)) and [r.text for r in tool] == [str(k) for k in range(ran)]
+        assert tokenizer.decode(tool[0].token_ids).count("<|im_start|>tool\n") == ran
+
+
+def test_a_tool_error_is_a_response_not_a_crash(scripted, toolset):
+    _, tokenizer = scripted
+    toolset.metrics(reset=True)
+    loop, (traj,) = run_loop(scripted, toolset, ["bad"])
+    check_trajectory(traj, tokenizer)
+    tool = [r for r in traj.turns if r.role == "tool"]
+    assert [r.error for r in tool] == ["bad_json", "unknown_tool", "exception"]
+    assert all(r.text.startswith("Error when executing tool: ") for r in tool)
+    assert "division by zero" in tool[2].text
+    assert traj.turns[-1].text == "#### gave up<|im_end|>" and traj.tool_rewards == [0.0, 0.0, 0.0]
+    metrics = toolset.metrics()
+    assert (metrics["tools/errors/bad_json"], metrics["tools/errors/unknown_tool"], metrics["tools/errors/exception"]) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("side", ["left", "middle", "right"])
+def test_long_tool_responses_are_cut_as_verl(scripted, toolset, side):
+    _, (traj,) = run_loop(scripted, toolset, ["long"], max_tool_response_length=40, tool_response_truncate_side=side)
+    full = str(7 ** 473)
+    assert traj.turns[1].text == truncate_response(full, 40, side) != full
+
+
+def test_groups_do_not_wait_for_each_other_and_seeds_do_not_depend_on_timing(scripted, toolset):
+    """Two groups: the first's tool sleeps, the second's answers at once. The engine generates
+    the second group's next turn (and finishes it) while the first waits; the trajectories are the
+    same as when both tools are fast."""
+    slow = ['<tool_call>{"name": "sleep", "arguments": {"seconds": 1.5}}</tool_call>', "#### slept"]
+    engine, tokenizer = scripted
+
+    class Sleepy(ScriptedEngine):
+        def turn_text(self, conversation):
+            if "sleep" in conversation.split("<|im_start|>user\n")[1][:20]:
+                return slow[min(conversation.count("<|im_start|>tool"), 1)]
+            return super().turn_text(conversation)
+
+    sleepy = Sleepy()
+    sleepy.__dict__.update(engine.__dict__)
+    order = []
+
+    def generate(rows, sampling, call_seed, row_seeds):
+        order.append(tokenizer.decode(rows[0]).split("<|im_start|>user\n")[1].split("<|im_end|>")[0])
+        return sleepy.generate(rows, row_seeds, sampling, 0, call_seed, {})
+
+    questions = ["sleep", "plain", "call 1 2", "call 1 2"]
+    prompts = [_template_ids(tokenizer, [{"role": "user", "content": q}], True, {}) for q in questions]
+    loop = AgentLoop(generate, tokenizer, toolset, LoopSettings(response_length=400), Sampling(do_sample=False))
+    trajs = loop.run(prompts, ["tool_agent"] * 4, [{}] * 4, [f"g{i}" for i in range(4)], seed=3, group_rows=2)
+    assert order == ["sleep", "call 1 2", "call 1 2", "call 1 2", "sleep"]   # group 1 ran all its turns meanwhile
+    assert loop.stats["engine_calls"] == 5 and loop.stats["tool_wait_s"] > 0.5
+    assert trajs[0].turns[-1].text == "#### slept<|im_end|>" and trajs[2].user_turns == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the rollout stage with the real hf engine and a model that calls the calculator
+
+@pytest.fixture(scope="module")
+def taught(tmp_path_factory, assets):
+    """(model taught to call the calculator, verl-format train file, tool config)."""
+    from stages.data.dataset import RLDataset
+    from stages.model.models import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("mt-taught")
+    config = write_calc_config(folder / "calc.yaml")
+    train = write_tool_dataset(folder / "train.parquet", [tool_row(q, t, i) for i, (q, t, _) in enumerate(trajectories())])
+    ctx = make_ctx(folder / "probe", (assets[0], train, assets[2]), stage_overrides(config))
+    rows = RLDataset(dict(ctx.get("data")), load_tokenizer(assets[0])).rows
+    with ToolSet.from_config(config, num_workers=1, instance_per="call") as tools:
+        loss = teach_tool_calls(assets[0], folder / "taught", {r.extra_info["question"]: r.prompt_ids for r in rows},
+                                tools, steps=100)
+    assert loss < 0.05
+    return folder / "taught", train, config
+
+
+def stage_overrides(config, *more):
+    return [f"{MT}.enable=true", f"{MT}.tool_config_path={config}", f"{MT}.max_parallel_calls=2",
+            "data.max_prompt_length=64", "data.max_response_length=320", "actor_rollout_ref.rollout.do_sample=false",
+            "data.shuffle=false", "actor_rollout_ref.rollout.calculate_log_probs=true", *more]
+
+
+def test_rollout_stage_with_the_hf_engine_calls_the_calculator(tmp_path, taught, assets):
+    model, train, config = taught
+    ctx = make_ctx(tmp_path / "a", (model, train, assets[2]), stage_overrides(config))
+    manifest = rollout.run(ctx)
+    cols = read_table(ctx.store, ctx.layout, 1, "rollout").to_pydict()
+    turns = read_file(ctx.store, ctx.layout, 1, "rollout", "rollout/turns.parquet").to_pydict()
+    truths = [t for _, t, _ in trajectories()]
+    assert [r.endswith(f"#### {truths[i // 2]}") for i, r in enumerate(cols["response"])] == [True] * 8
+    assert cols["response"][0] == ('<tool_call>{"name": "calculator", "arguments": {"expression": "123 + 456"}}'
+                                   '</tool_call>tool\n579\nassistant\n#### 579')   # verl: decoded without special tokens
+    assert cols["num_turns"] == [4, 4, 4, 4, 4, 4, 6, 6] and cols["finish_reason"] == ["stop"] * 8
+    for row in range(8):
+        ids, mask, lps = cols["response_ids"][row], cols["response_mask"][row], cols["rollout_log_probs"][row]
+        mine = [k for k, r in enumerate(turns["row"]) if r == row]
+        assert {turns["uid"][k] for k in mine} == {cols["uid"][row]}
+        joined, seen = [], set()
+        for k in mine:
+            if turns["turn"][k] in seen:   # the calls of one tool turn share its span
+                continue
+            seen.add(turns["turn"][k])
+            start, end = turns["token_start"][k], turns["token_end"][k]
+            assert start == len(joined) and ids[start:end] == turns["token_ids"][k]
+            assert mask[start:end] == [turns["mask"][k]] * (end - start)
+            assert turns["mask"][k] == (turns["role"][k] == "assistant")
+            joined += turns["token_ids"][k]
+        assert cols["prompt_ids"][row] + joined == cols["prompt_ids"][row] + ids   # the trajectory is its turns
+        assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m) and all(lp <= 0 for lp, m in zip(lps, mask) if m)
+        extra = json.loads(cols["extra_info"][row])
+        assert extra["num_turns"] == cols["num_turns"][row] and extra["tools_kwargs"]["calculator"]["create_kwargs"]["ground_truth"] == truths[row // 2]
+    tool_rows = [k for k, role in enumerate(turns["role"]) if role == "tool"]
+    assert [turns["response"][k] for k in tool_rows[:2]] == ["579", "579"]
+    assert sorted({(turns["tool"][k], turns["error"][k]) for k in tool_rows}, key=str) == sorted(
+        {("calculator", None), (None, "bad_json"), ("abacus", "unknown_tool")}, key=str)
+    assert all(turns["latency_s"][k] >= 0 for k in tool_rows)
+    summary = manifest["extra"]["multi_turn"]
+    assert (summary["tool_calls"], summary["tool_errors/bad_json"], summary["tool_errors/unknown_tool"]) == (12, 2, 2)
+    assert summary["calls_by_tool"] == {"calculator": 8, "?": 2, "abacus": 2} and summary["num_turns_mean"] == 4.5
+    assert summary["llm_tokens"] + summary["tool_tokens"] == sum(cols["response_length"])
+    # the same seed gives the same bytes; the same turns (but their measured latencies)
+    again = make_ctx(tmp_path / "b", (model, train, assets[2]), stage_overrides(config))
+    rollout.run(again)
+    assert rollout_bytes(again) == rollout_bytes(ctx)
+    turns_again = read_file(again.store, again.layout, 1, "rollout", "rollout/turns.parquet").to_pydict()
+    assert {k: v for k, v in turns_again.items() if k != "latency_s"} == {k: v for k, v in turns.items() if k != "latency_s"}
+
+
+def test_logprob_advantage_and_update_honour_the_mask(tmp_path, taught, assets):
+    from stages import advantage, logprob, reward, update
+
+    model, train, config = taught
+    ctx = make_ctx(tmp_path, (model, train, assets[2]), stage_overrides(
+        config, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=true",
+        f"storage.cache_dir={tmp_path / 'cache'}"))
+    assert not ctx.plan["rollout"]["old_log_prob_pass"] and ctx.plan["ref"] is not None
+    for stage in (rollout, logprob, reward, advantage, update):
+        stage.run(ctx)
+    cols = read_table(ctx.store, ctx.layout, 1, "rollout").to_pydict()
+    masks = cols["response_mask"]
+    assert sum(m.count(0) for m in masks) > 100    # tool tokens are there
+    ref = read_table(ctx.store, ctx.layout, 1, "logprob").column("ref_log_probs").to_pylist()
+    adv = read_table(ctx.store, ctx.layout, 1, "advantage").to_pydict()
+    forward = read_file(ctx.store, ctx.layout, 1, "update", "update/log_probs.parquet").to_pydict()
+    scores = read_table(ctx.store, ctx.layout, 1, "reward").column("score").to_pylist()
+    assert scores == [1.0] * 8   # every trajectory ends "#### <truth>"
+    for row, mask in enumerate(masks):
+        for name, values in (("ref", ref[row]), ("advantages", adv["advantages"][row]), ("returns", adv["returns"][row]),
+                             ("kl", adv["kl"][row]), ("old", forward["old_log_probs"][row]),
+                             ("entropy", forward["entropy"][row])):
+            assert [v for v, m in zip(values, mask) if not m] == [0.0] * mask.count(0), (name, row)
+        assert all(v <= 0 for v, m in zip(ref[row], mask) if m)
+    # the update's token means are over the sampled tokens only: its entropy is the stored
+    # entropies' sum over the mask's ones
+    metrics = read_file(ctx.store, ctx.layout, 1, "update", "update/metrics.json")
+    tokens = sum(sum(m) for m in masks)
+    expected = sum(sum(e) for e in forward["entropy"]) / tokens
+    assert metrics["actor/entropy"] == pytest.approx(expected, rel=1e-4)
+    assert expected != pytest.approx(sum(sum(e) for e in forward["entropy"]) / sum(cols["response_length"]), rel=1e-2)
+
+
+def test_single_turn_rows_through_the_loop_equal_the_single_turn_rollout(tmp_path, assets):
+    """Greedy, the loop's single_turn_agent rows sample what the plain rollout samples (the loop
+    only adds the mask, the turns and verl's extra_info keys)."""
+    greedy = ["actor_rollout_ref.rollout.do_sample=false"]
+    plain = make_ctx(tmp_path / "plain", assets, greedy)
+    loop = make_ctx(tmp_path / "loop", assets, [*greedy, f"{MT}.enable=true"])
+    rollout.run(plain)
+    manifest = rollout.run(loop)
+    a, b = (read_table(x.store, x.layout, 1, "rollout").to_pydict() for x in (plain, loop))
+    assert a["response_ids"] == b["response_ids"] and a["response"] == b["response"]
+    assert b["response_mask"] == [[1] * n for n in b["response_length"]] and b["num_turns"] == [2] * 8
+    assert "response_mask" not in a and manifest["extra"]["multi_turn"]["tool_calls"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: verl's keys, and what stagerl cannot honour refused by name
+
+def refused(overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        cfg = load_config("tiny-cpu", overrides)
+        make_plan(cfg)
+    return str(info.value)
+
+
+def test_multi_turn_keys_and_refusals(tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: calculator\n    config: {type: native}\n")
+    on = [f"{MT}.enable=true", f"{MT}.tool_config_path={tools}"]
+    cfg = load_config("tiny-cpu", [*on, f"{MT}.max_assistant_turns=4", f"{MT}.tool_response_truncate_side=left"])
+    make_plan(cfg)
+    assert cfg["data"]["tool_config_path"] == str(tools)   # verl's interpolation
+    mt = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
+    assert (mt["max_parallel_calls"], mt["max_tool_response_length"], mt["format"], mt["max_user_turns"]) == (1, 256, "hermes", None)
+    assert "multi_turn.format: 'llama3_json' is not one of ['hermes']" in refused([*on, f"{MT}.format=llama3_json"])
+    assert "interaction_config_path='x.yaml': stagerl does not implement" in refused([*on, f"{MT}.interaction_config_path=x.yaml"])
+    assert "use_inference_chat_template=True: stagerl does not implement" in refused([*on, f"{MT}.use_inference_chat_template=true"])
+    assert "agent_loop_config_path" in refused([*on, "actor_rollout_ref.rollout.agent.agent_loop_config_path=a.yaml"])
+    assert "'react_agent' is not one of" in refused([*on, "actor_rollout_ref.rollout.agent.default_agent_loop=react_agent"])
+    assert "tool_response_truncate_side: 'top'" in refused([*on, f"{MT}.tool_response_truncate_side=top"])
+    assert "max_parallel_calls=0: must be >= 1" in refused([*on, f"{MT}.max_parallel_calls=0"])
+    assert f"{MT}.tool_config_path={tmp_path}/nope.yaml: no such file" in refused([f"{MT}.enable=true", f"{MT}.tool_config_path={tmp_path}/nope.yaml"])
+    assert "data.tool_config_path=None differs" in refused([*on, "data.tool_config_path=null"])
+    assert "dynamic sampling of multi-turn" in refused([*on, "algorithm.filter_groups.enable=true",
+                                                        "algorithm.filter_groups.metric=acc"])
+    assert "algorithm.adv_estimator=remax" in refused([*on, "algorithm.adv_estimator=remax"])
