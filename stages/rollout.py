@@ -241,6 +241,7 @@ def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, 
     from stages.engines.agent_loop import AgentLoop, LoopSettings
 
     n = sampling.n
+    outer = engines
     default_agent = ctx.get(f"{ROLLOUT}.agent.default_agent_loop") or "single_turn_agent"
     agents = [p.agent_name or default_agent for p in prompts for _ in range(n)]
     kwargs = [dict(p.extra_info.get("tools_kwargs") or {}) for p in prompts for _ in range(n)]
@@ -263,6 +264,10 @@ def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, 
     if ctx.get("actor_rollout_ref.model.custom_chat_template"):
         template_kwargs["chat_template"] = ctx.get("actor_rollout_ref.model.custom_chat_template")
     tools, owned = rollout_tools(ctx)
+    if not engines.resident:  # no run: keep the engine for the loop's calls, then stop it
+        from stages.engines.service import RolloutEngines
+
+        engines = RolloutEngines(resident=True)
     try:
         loop = AgentLoop(generate, tokenizer(), tools,
                          LoopSettings.from_rollout(dict(ctx.get(ROLLOUT) or {}), sampling.max_new_tokens),
@@ -272,6 +277,8 @@ def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, 
     finally:
         if owned:
             tools.close()
+        if engines is not outer:
+            engines.close()
     stats = {k: round(v, 4) if isinstance(v, float) else v for k, v in loop.stats.items()}
     options.timings.update({**timings, "generate_s": stats["generate_s"], "wall_s": stats["wall_s"],
                             "agent_loop": stats, "tools": tool_metrics})

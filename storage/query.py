@@ -9,6 +9,10 @@ and `experiment`, the run's name: over several runs (branches of a fork) they jo
     candidates                            DAPO's generated answers (rollout/candidates.parquet)
     baseline                              ReMax's greedy answers, one per prompt (rollout/baseline.parquet)
                                           with score and acc (reward/baseline.parquet; null until scored)
+    turns                                 multi-turn rollouts (rollout/turns.parquet): one row per assistant
+                                          turn and tool call; its `row` is the trajectory's rollout row, so
+                                          it joins the others on (step, row); tool, arguments, response,
+                                          latency_s, error, token_start/token_end, mask
 Only stages with a manifest count (read through storage.artifacts, checksums verified). The
 tables are registered as Arrow tables, so a local store and S3 behave the same, and the
 connection is read-only over them: no file system, network or extension access (DuckDB's
@@ -25,7 +29,7 @@ import pyarrow as pa
 
 from storage.schemas import SCHEMAS
 
-TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics", "candidates", "baseline")
+TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics", "candidates", "baseline", "turns")
 # candidates: every answer DAPO's dynamic sampling generated (rollout/candidates.parquet), kept or not
 _STAGE_OF = {"rollout": "rollout", "logprob": "logprob", "reward": "reward",
              "advantage": "advantage", "microbatches": "update"}
@@ -55,6 +59,8 @@ def stage_table(view, name: str, steps=None) -> pa.Table:
         return candidates_table(view, steps)
     if name == "baseline":
         return baseline_table(view, steps)
+    if name == "turns":
+        return turns_table(view, steps)
     if name not in _STAGE_OF:
         raise KeyError(f"no table {name!r}; tables are {', '.join(TABLES)}")
     stage = _STAGE_OF[name]
@@ -103,6 +109,24 @@ def baseline_table(view, steps=None) -> pa.Table:
         parts.append(table)
     if not parts:
         return pa.schema(list(_empty("rollout").schema) + [("score", pa.float32()), ("acc", pa.float32())]).empty_table()
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+def turns_table(view, steps=None) -> pa.Table:
+    """The multi-turn steps' turns (rollout/turns.parquet: step and the rollout row stored), with
+    experiment."""
+    from storage.artifacts import read_file
+
+    name = "rollout/turns.parquet"
+    parts = []
+    for step in (view.complete_steps(["rollout"]) if steps is None else steps):
+        manifest = view.manifest(step, "rollout")
+        if manifest is not None and name in manifest.get("files", {}):
+            table = read_file(view.store, view.layout, step, "rollout", name)
+            parts.append(table.append_column("experiment", pa.array([view.layout.experiment] * table.num_rows, pa.string())))
+    if not parts:
+        fields = list(SCHEMAS["rollout_turns"].required)
+        return pa.schema(fields + [("experiment", pa.string())]).empty_table()
     return pa.concat_tables(parts, promote_options="permissive")
 
 

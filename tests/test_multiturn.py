@@ -285,8 +285,10 @@ def test_rollout_stage_with_the_hf_engine_calls_the_calculator(tmp_path, taught,
     assert {k: v for k, v in turns_again.items() if k != "latency_s"} == {k: v for k, v in turns.items() if k != "latency_s"}
 
 
-def test_logprob_advantage_and_update_honour_the_mask(tmp_path, taught, assets):
+def test_logprob_advantage_and_update_honour_the_mask_and_the_readers_show_the_turns(tmp_path, taught, assets, capsys):
+    from flows.cli import main
     from stages import advantage, logprob, reward, update
+    from storage.artifacts import write_run_json
 
     model, train, config = taught
     ctx = make_ctx(tmp_path, (model, train, assets[2]), stage_overrides(
@@ -316,6 +318,43 @@ def test_logprob_advantage_and_update_honour_the_mask(tmp_path, taught, assets):
     expected = sum(sum(e) for e in forward["entropy"]) / tokens
     assert metrics["actor/entropy"] == pytest.approx(expected, rel=1e-4)
     assert expected != pytest.approx(sum(sum(e) for e in forward["entropy"]) / sum(cols["response_length"]), rel=1e-2)
+
+    # the readers: query sees `turns`, inspect counts the calls and errors, show renders the turns
+    write_run_json(ctx.store, ctx.layout, dict(ctx.cfg))
+    root = ["--root", str(tmp_path)]
+    capsys.readouterr()   # what the stages printed
+
+    def cli(*argv):
+        code = main(list(argv))
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        return out.out
+
+    rows = json.loads(cli("query", "select tool, error, count(*) as n, avg(latency_s) >= 0 as timed from turns "
+                                   "where role = 'tool' group by all order by tool, error", "--experiment", "t",
+                          *root, "--json"))
+    assert [(r["tool"], r["error"], r["n"], r["timed"]) for r in rows] == [
+        ("abacus", "unknown_tool", 2, True), ("calculator", None, 8, True), (None, "bad_json", 2, True)]
+    joined = json.loads(cli("query", "select r.score, count(*) as turns from turns t join reward r using (step, row) "
+                                     "group by r.score", "--experiment", "t", *root, "--json"))
+    assert joined == [{"score": 1.0, "turns": 18 + 12}]   # 18 assistant turns and 12 tool calls, all of rows scoring 1
+    summary = json.loads(cli("inspect", "t", *root, "--step", "1", "--json"))
+    multi = summary["stages"]["rollout"]["multi_turn"]
+    assert (multi["tool_calls"], multi["calls_by_tool"], multi["errors"]) == (
+        12, {"calculator": 8, "?": 2, "abacus": 2}, {"bad_json": 2, "unknown_tool": 2})
+    assert multi["error_rate"] == {"bad_json": 2 / 12, "unknown_tool": 2 / 12} and multi["num_turns"]["mean"] == 4.5
+    assert multi["assistant_turns"] == {"mean": 18 / 8, "min": 2.0, "max": 3.0}
+    text = cli("inspect", "t", *root, "--step", "1")
+    assert "tool errors:     bad_json=2  unknown_tool=2" in text and "tool calls:      12 (1.5/sample)" in text
+    overview = cli("inspect", "t", *root)
+    assert "turns/mean" in overview and "tool_error_rate" in overview
+    shown = cli("show", "t", *root, "--step", "1", "--uid", cols["uid"][6], "--sample", "1")
+    assert "turns (5):" in shown
+    assert '[1] tool call 0: ?({"name": "calculator", "arguments": ) error bad_json' in shown
+    assert "[3] tool call 0: abacus({\"expression\": \"9 + 10\"}) error unknown_tool" in shown
+    assert "[4] assistant (tokens" in shown and "#### 19<|im_end|>" in shown
+    tokens = json.loads(cli("show", "t", *root, "--step", "1", "--uid", cols["uid"][0], "--json", "--ids"))["tokens"]
+    assert [t["mask"] for t in tokens] == masks[0]
 
 
 def test_single_turn_rows_through_the_loop_equal_the_single_turn_rollout(tmp_path, assets):
@@ -363,3 +402,27 @@ def test_multi_turn_keys_and_refusals(tmp_path):
     assert "dynamic sampling of multi-turn" in refused([*on, "algorithm.filter_groups.enable=true",
                                                         "algorithm.filter_groups.metric=acc"])
     assert "algorithm.adv_estimator=remax" in refused([*on, "algorithm.adv_estimator=remax"])
+
+
+def test_vllm_in_a_run_session_gives_the_hf_trajectories(tmp_path, taught, assets):
+    """The resident vLLM engine of a run (and the run's tool workers, RunSession.tools) runs the
+    same loop: greedy, its trajectories and turns equal the hf engine's."""
+    from stages.session import RunSession
+
+    model, train, config = taught
+    hf = make_ctx(tmp_path / "hf", (model, train, assets[2]), stage_overrides(config))
+    rollout.run(hf)
+    with RunSession() as session:
+        vllm = make_ctx(tmp_path / "vllm", (model, train, assets[2]), stage_overrides(
+            config, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true"))
+        vllm.session = session
+        manifest = rollout.run(vllm)
+        tools = session.tools(config, None, 30.0)
+        assert session.tools(config, None, 30.0) is tools and tools.instance_per == "call"
+        assert len(session.engines().pids()) == 1   # vLLM in its worker process, kept for the run
+    a, b = (read_table(x.store, x.layout, 1, "rollout").to_pydict() for x in (hf, vllm))
+    for key in ("response_ids", "response_mask", "num_turns", "response", "extra_info", "finish_reason"):
+        assert a[key] == b[key], key
+    ta, tb = (read_file(x.store, x.layout, 1, "rollout", "rollout/turns.parquet").to_pydict() for x in (hf, vllm))
+    assert {k: v for k, v in ta.items() if k != "latency_s"} == {k: v for k, v in tb.items() if k != "latency_s"}
+    assert manifest["extra"]["engine"] == "vllm" and manifest["extra"]["multi_turn"]["engine_calls"] == 5

@@ -1,7 +1,7 @@
 """`stagerl inspect EXPERIMENT [--step K] [--stage S] [--json]`: a run's steps and stages (rows,
 status, timings, reward, lengths, KL, entropy, losses, per-rank balance, best/worst samples).
 `stagerl show EXPERIMENT --step K --uid U [--sample I]`: one sample across the five stages, token
-by token. Both read a local store or S3; a missing run or an incomplete step exits with code 2."""
+by token (a multi-turn trajectory also turn by turn: assistant turns and tool calls). Both read a local store or S3; a missing run or an incomplete step exits with code 2."""
 from flows.cli.args import add_json, add_run_arguments
 from flows.read.inspect_lib import guarded
 
@@ -67,6 +67,8 @@ def run_inspect(args) -> int:
             cols += ("engine_kl",)
         if any(r.get("staleness") for r in rows):  # trainer.staleness: the weights each rollout sampled
             cols += ("version", "staleness", "engine_kl_k1", "is_weight/mean")
+        if any(r.get("turns/mean") is not None for r in rows):  # multi-turn: turns, tool calls, errors
+            cols += ("turns/mean", "tool_calls/sample", "tool_error_rate")
         table = [cols] + [tuple(_fmt(r.get(c)) for c in cols) for r in rows]
         widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
         for t in table:
@@ -110,6 +112,14 @@ def print_stage(name: str, sec: dict) -> None:
         print(f"    response_length: {_kv(sec['response_length'])}")
         print(f"    prompt_length:   {_kv(sec['prompt_length'])}  prompts={sec['prompts']}")
         print(f"    finish_reason:   {_kv(sec['finish_reason'])}")
+        if "multi_turn" in sec:  # rollout/turns.parquet: `stagerl query ... FROM turns`
+            m = sec["multi_turn"]
+            print(f"    turns/sample:    {_kv(m['num_turns'])}  assistant turns: {_kv(m['assistant_turns'])}")
+            print(f"    tool calls:      {m['tool_calls']} ({_fmt(m['tool_calls_per_sample'])}/sample)  "
+                  f"by tool: {_kv(m['calls_by_tool']) or '-'}  tool-response tokens: {_fmt(m['tool_token_share'])}")
+            print(f"    tool errors:     {_kv(m['errors']) or 'none'}"
+                  + (f"  rate: {_kv(m['error_rate'])}" if m['errors'] else ""))
+            print(f"    tool latency s:  {_kv(m['tool_latency_s'])}")
         if "filter_groups" in sec:  # the rows are in `stagerl query ... FROM candidates`
             print(f"    filter_groups:   {_kv(sec['filter_groups'])}")
         if "baseline" in sec:  # greedy baseline answers, one per prompt (remax): not training rows
@@ -146,6 +156,21 @@ def print_stage(name: str, sec: dict) -> None:
               f"tokens max/mean={_fmt(bal['tokens_max_over_mean'])}")
 
 
+def print_turns(turns: list) -> None:
+    """A multi-turn trajectory turn by turn: each assistant turn (its tokens, under the mask) and
+    each tool call of a tool turn (tool, arguments, the response appended, masked out)."""
+    print(f"turns ({len({t['turn'] for t in turns})}):")
+    for t in turns:
+        span = f"tokens {t['token_start']}-{t['token_end']}, mask {t['mask']}"
+        if t["role"] == "assistant":
+            print(f"  [{t['turn']}] assistant ({span}, {t['finish_reason']}): {t['response']}")
+            continue
+        status = f"error {t['error']}" if t["error"] else "ok"
+        cut = "; cut off by the response length, not appended" if t["token_start"] == t["token_end"] else ""
+        print(f"  [{t['turn']}] tool call {t['call']}: {t['tool'] or '?'}({t['arguments']}) {status}, "
+              f"{_fmt(t['latency_s'])} s ({span}{cut}) -> {t['response']}")
+
+
 @guarded
 def run_show(args) -> int:
     import json
@@ -165,6 +190,8 @@ def run_show(args) -> int:
     print(f"prompt ({len(ro['prompt_ids'])} tokens): {ro['prompt']}")
     print(f"response ({ro['response_length']} tokens, {ro['finish_reason']}): {ro['response']}")
     print(f"ground_truth: {ro['ground_truth']}  data_source: {ro['data_source']}")
+    if "turns" in out:  # multi-turn: the trajectory turn by turn
+        print_turns(out["turns"])
     if "reward" in out:
         print(f"reward: {_kv({k: v for k, v in out['reward'].items() if v is not None})}")
     if "baseline" in out:

@@ -1,6 +1,7 @@
 """`stagerl query "SQL" --experiment E`: DuckDB over every complete step's parquet (tables rollout,
 logprob, reward, advantage, microbatches, metrics, candidates (DAPO's generated answers), baseline
-(ReMax's greedy answers with their scores); each with `step`, `row` and `experiment`). With
+(ReMax's greedy answers with their scores), turns (multi-turn rollouts: every assistant turn and tool
+call, `row` its trajectory's); each with `step`, `row` and `experiment`). With
 several --experiment (a run and its forks) each table holds the rows of all of them, so branches
 compare in one statement (GROUP BY experiment; joins USING (experiment, step, row)).
 `stagerl export EXPERIMENT --format jsonl [--out DIR]`: verl's rollout dump, one {step}.jsonl per
@@ -11,7 +12,7 @@ from flows.read.inspect_lib import guarded
 
 def register(subparsers) -> None:
     q = subparsers.add_parser("query", help="SQL (DuckDB) over a run's parquet: tables rollout, "
-                                            "logprob, reward, advantage, microbatches, metrics, candidates, baseline")
+                                            "logprob, reward, advantage, microbatches, metrics, candidates, baseline, turns")
     q.add_argument("sql", help='e.g. "SELECT step, avg(score) FROM reward GROUP BY step"')
     q.add_argument("--experiment", required=True, action="append",
                    help=f"{RUN_HELP}; repeat it to query several runs at once (the tables' "

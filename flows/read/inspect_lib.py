@@ -80,14 +80,72 @@ def _stats(values) -> dict:
     return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
 
 
-def token_mean(table, column: str):
-    """Mean over every token of every row (None when the column is absent or has no tokens)."""
+def token_mean(table, column: str, mask=None):
+    """Mean over every token of every row (None when the column is absent or has no tokens);
+    with `mask` (response_mask_of: a multi-turn rollout's) over the tokens the policy sampled only."""
     import pyarrow.compute as pc
 
     if column not in table.schema.names:
         return None
     flat = pc.list_flatten(table.column(column))
+    if mask is not None and len(mask) == len(flat):
+        flat = pc.filter(flat, mask)
     return None if len(flat) == 0 else float(pc.mean(flat).as_py())
+
+
+def response_mask_of(view, step: int):
+    """A multi-turn rollout's response_mask, flattened to one boolean per response token (True:
+    sampled by the policy, False: a tool response); None for a single-turn rollout."""
+    import pyarrow.compute as pc
+
+    if view.manifest(step, "rollout") is None:   # (a stage's section read before the rollout committed)
+        return None
+    rollout = view.table(step, "rollout")
+    if "response_mask" not in rollout.schema.names:
+        return None
+    return pc.equal(pc.list_flatten(rollout.column("response_mask")), 1)
+
+
+def turns_table(view, step: int):
+    """rollout/turns.parquet of a multi-turn step (one row per assistant turn and tool call), else None."""
+    from storage.artifacts import read_file
+
+    manifest = view.manifest(step, "rollout")
+    if manifest is None or TURNS not in (manifest.get("files") or {}):
+        return None
+    return read_file(view.store, view.layout, step, "rollout", TURNS)
+
+
+TURNS = "rollout/turns.parquet"
+
+
+def multi_turn_metrics(view, step: int) -> dict | None:
+    """Turns per trajectory, tool calls per tool, error counts and rates by kind, tool latency and
+    the share of response tokens that are tool responses, from the step's turns table."""
+    turns = turns_table(view, step)
+    if turns is None:
+        return None
+    rollout = view.table(step, "rollout")
+    t = turns.to_pydict()
+    tool = [i for i, role in enumerate(t["role"]) if role == "tool"]
+    per_row: dict = {}
+    for i, role in enumerate(t["role"]):
+        if role == "assistant":
+            per_row[t["row"][i]] = per_row.get(t["row"][i], 0) + 1
+    calls, errors = {}, {}
+    for i in tool:
+        calls[t["tool"][i] or "?"] = calls.get(t["tool"][i] or "?", 0) + 1
+        if t["error"][i]:
+            errors[t["error"][i]] = errors.get(t["error"][i], 0) + 1
+    masks = rollout.column("response_mask").to_pylist()
+    tokens = sum(len(m) for m in masks)
+    return {"num_turns": _stats(rollout.column("num_turns").to_pylist()),
+            "assistant_turns": _stats(per_row.get(r, 0) for r in range(rollout.num_rows)),
+            "tool_calls": len(tool), "tool_calls_per_sample": len(tool) / rollout.num_rows if rollout.num_rows else 0.0,
+            "calls_by_tool": calls, "errors": errors,
+            "error_rate": {kind: n / len(tool) for kind, n in errors.items()},
+            "tool_latency_s": _stats(t["latency_s"][i] for i in tool),
+            "tool_token_share": (tokens - sum(sum(m) for m in masks)) / tokens if tokens else 0.0}
 
 
 def seq_means(table, column: str) -> list:
@@ -116,6 +174,9 @@ def rollout_metrics(view, step: int) -> dict:
     out = {"response_length": resp,
            "prompt_length": _stats(len(ids) for ids in t.column("prompt_ids").to_pylist()),
            "finish_reason": reasons, "prompts": len(set(t.column("uid").to_pylist()))}
+    multi = multi_turn_metrics(view, step)
+    if multi is not None:  # multi-turn: the turns table's numbers
+        out["multi_turn"] = multi
     filtered = (view.manifest(step, "rollout").get("extra") or {}).get("filter_groups")
     if filtered:  # DAPO's dynamic sampling: what was generated, kept and filtered
         out["filter_groups"] = filtered
@@ -152,6 +213,9 @@ def policy_lag(view, step: int) -> dict:
     trainer = pc.list_flatten(logprob.column("old_log_probs"))
     if len(engine) != len(trainer) or not len(engine):
         return out
+    mask = response_mask_of(view, step)
+    if mask is not None:  # multi-turn: the tokens the engine sampled, not the tool responses
+        engine, trainer = pc.filter(engine, mask), pc.filter(trainer, mask)
     log_ratio = pc.subtract(trainer, engine)  # log(pi_trainer / pi_engine) per token
     weights = pc.exp(log_ratio)
     threshold = float(view.config_value("algorithm.rollout_correction.rollout_is_threshold", 2.0) or 2.0)
@@ -180,13 +244,16 @@ def baseline_table(view, step: int, stage: str):
 
 def logprob_metrics(view, step: int) -> dict:
     t = view.table(step, "logprob")
-    out = {"entropy/token_mean": token_mean(t, "entropy"),
-           "old_log_prob/token_mean": token_mean(t, "old_log_probs")}
+    mask = response_mask_of(view, step)  # multi-turn: means over the sampled tokens
+    out = {"entropy/token_mean": token_mean(t, "entropy", mask),
+           "old_log_prob/token_mean": token_mean(t, "old_log_probs", mask)}
     if "ref_log_probs" in t.schema.names and "old_log_probs" in t.schema.names:
         # (the old log-probs may come from the update's forward: absent until the update commits)
         import pyarrow.compute as pc
         old = pc.list_flatten(t.column("old_log_probs"))
         ref = pc.list_flatten(t.column("ref_log_probs"))
+        if mask is not None and len(mask) == len(old):
+            old, ref = pc.filter(old, mask), pc.filter(ref, mask)
         out["kl_old_ref_k1/token_mean"] = (float(pc.mean(pc.subtract(old, ref)).as_py())
                                            if len(old) else None)
     if "values" in t.schema.names:
@@ -209,8 +276,9 @@ def reward_metrics(view, step: int) -> dict:
 
 def advantage_metrics(view, step: int) -> dict:
     t = view.table(step, "advantage")
-    return {"advantage/token_mean": token_mean(t, "advantages"),
-            "kl_in_reward/token_mean": token_mean(t, "kl"),
+    mask = response_mask_of(view, step)
+    return {"advantage/token_mean": token_mean(t, "advantages", mask),
+            "kl_in_reward/token_mean": token_mean(t, "kl", mask),
             "data_metrics": view.data_metrics(step)}
 
 
@@ -334,6 +402,11 @@ def overview_row(view, step: int) -> dict:
         row["version"], row["staleness"] = lag["policy_version"], lag["staleness"]
         row["is_weight/mean"] = (lag.get("is_weights") or {}).get("mean")
         row["engine_kl_k1"] = (lag.get("engine_vs_trainer") or {}).get("kl_k1")
+        multi = multi_turn_metrics(view, step)
+        if multi is not None:  # multi-turn: turns per sample, tool calls, their errors
+            row["turns/mean"] = multi["num_turns"]["mean"]
+            row["tool_calls/sample"] = multi["tool_calls_per_sample"]
+            row["tool_error_rate"] = sum(multi["errors"].values()) / multi["tool_calls"] if multi["tool_calls"] else 0.0
     if status["reward"]:
         r = reward_metrics(view, step)
         row["score/mean"], row["acc/mean"] = r["score"]["mean"], r["acc_mean"]
@@ -393,6 +466,13 @@ def sample_view(view, step: int, uid: str, sample: int = 0, tokenizer=None) -> d
            "status": {s: ("complete" if status[s] else "incomplete") for s in STAGES},
            "rollout": {k: v for k, v in r.items() if k not in ("response_ids", "rollout_log_probs")}}
     per_token = {"token_id": r["response_ids"]}
+    if r.get("response_mask") is not None:  # multi-turn: 1 sampled by the policy, 0 a tool response
+        per_token["mask"] = r["response_mask"]
+        out["rollout"].pop("response_mask", None)
+        turns = turns_table(view, step)
+        if turns is not None:
+            out["turns"] = [{k: v for k, v in t.items() if k not in ("step", "row", "uid", "sample_index")}
+                            for t in turns.filter(_equal(turns, "row", row)).to_pylist()]
     if r.get("rollout_log_probs") is not None:
         per_token["rollout_log_prob"] = r["rollout_log_probs"]
     for stage, columns in (("logprob", {"old_log_probs": "old_log_prob",
@@ -422,3 +502,9 @@ def sample_view(view, step: int, uid: str, sample: int = 0, tokenizer=None) -> d
         per_token["token"] = [tokenizer.decode([t]) for t in r["response_ids"]]
     out["tokens"] = [dict(zip(per_token, vals)) for vals in zip(*per_token.values())]
     return out
+
+
+def _equal(table, column: str, value):
+    import pyarrow.compute as pc
+
+    return pc.equal(table.column(column), value)
