@@ -147,6 +147,7 @@ class RunSession:
         entry["thread"].join()
         if entry["error"] is not None:
             self.wait_commits()  # raises, naming it (and leaves nothing pending)
+        self._pending.pop((stage, step), None)  # committed: readers now find the version in the store
 
     def wait_commits(self) -> None:
         """Wait for every background commit; raise DeferredCommitError for a failed one."""
