@@ -34,6 +34,7 @@ import time
 from stages.data.baseline_answers import ANSWERS as BASELINE
 from stages.data.baseline_answers import needs_baseline
 from stages.engines import EngineOptions, Sampling, derive_seed
+from storage.faults import maybe_fault
 
 STAGE = "rollout"
 INPUTS = ()
@@ -247,8 +248,12 @@ def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, 
     kwargs = [dict(p.extra_info.get("tools_kwargs") or {}) for p in prompts for _ in range(n)]
     keys = [f"{uid}#{k}" for uid in uids for k in range(n)]
     timings: dict = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0}
+    engine_calls: list = []
 
     def generate(rows, row_sampling, call_seed, row_seeds):
+        if engine_calls:  # a later turn: tool calls ran (the resume tests kill here)
+            maybe_fault("rollout", "between_turns", ctx.step)
+        engine_calls.append(len(rows))
         call = dataclasses.replace(options, rollout={**options.rollout, "hf_generate_batch_size": max(1, len(rows))},
                                    step_seed=call_seed, prompts_per_replica=None, timings={})
         gens = engines.generate(engine, rows, row_seeds, row_sampling, call)
