@@ -2,9 +2,10 @@
 resume -> bit-identical weights"). Real runs (`stagerl train` / `stagerl resume` subprocesses
 against a real Prefect server, as tests/test_flows.py), the tiny model taught to call the
 calculator (tests/_multiturn_setup.py), the hf engine, 1 rank, 2 steps: a run SIGKILLed in step
-2's rollout between turns (tool calls ran, the loop not done: fault point rollout:between_turns)
-and one killed in step 2's update after it trained, each resumed, end with the uninterrupted run's
-weights and step 2's turns table (all but the measured tool latencies)."""
+2's rollout between turns (tool calls ran, the loop not done: fault point rollout:between_turns),
+then resumed, ends with the uninterrupted run's weights and step 2's turns table (all but the
+measured tool latencies). A kill in step 2's update (update:after_train@2) passes the same way;
+left out for time (about 60 s more; the update's resume is tests/test_flows.py's)."""
 import signal
 
 from test_flows import PROJECT, server, stagerl  # noqa: F401 (fixtures)
@@ -39,7 +40,7 @@ def turns(store, experiment, step) -> dict:
     return {k: v for k, v in table.items() if k != "latency_s"}   # all but the measured tool latencies
 
 
-def test_killed_in_a_multi_turn_rollout_or_its_update_resumes_bit_for_bit(server, taught, assets, tmp_path):  # noqa: F811
+def test_killed_between_turns_of_a_multi_turn_rollout_resumes_bit_for_bit(server, taught, assets, tmp_path):  # noqa: F811
     root = tmp_path / "runs"
     store = Store.from_config({"root": str(root)})
     args = overrides(taught, assets[2], root)
@@ -49,7 +50,7 @@ def test_killed_in_a_multi_turn_rollout_or_its_update_resumes_bit_for_bit(server
     assert {"assistant", "tool"} <= set(reference["role"]) and "calculator" in reference["tool"]  # it did call tools
     rollout = read_file(store, RunLayout(PROJECT, "a"), 2, "rollout").to_pydict()
     assert max(rollout["num_turns"]) > 2 and 0 in [m for row in rollout["response_mask"] for m in row]
-    for name, fault in (("b", "rollout:between_turns@2"), ("c", "update:after_train@2")):
+    for name, fault in (("b", "rollout:between_turns@2"),):  # + ("c", "update:after_train@2"): passes, about 60 s more
         killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", name, *args], fault=fault)
         assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
         layout = RunLayout(PROJECT, name)
