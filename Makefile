@@ -79,9 +79,10 @@ bench-peer: install $(PEER_STAMP)
 	$(PY) bench/peer_trl.py --peer-python $(PEER_VENV)/bin/python $(PEER_ARGS)
 
 # Multi-turn tool-calling rollouts (issue 36) against single-turn on about as many sampled tokens,
-# interleaved, medians of 5 (about a minute): bench/multiturn.py, JSON in bench/results/multiturn.json.
+# interleaved, medians of 5, hf then vLLM (about 2 min): bench/multiturn.py, JSON in bench/results/multiturn.json.
 bench-multiturn: install
 	$(PY) bench/multiturn.py --prompts 60 --n 2 --repeats 5
+	$(PY) bench/multiturn.py --engine vllm --prompts 60 --n 2 --repeats 5 --out bench/results/multiturn_vllm.json
 
 clean-venv:
 	rm -rf $(VENV) .cache

@@ -2,10 +2,13 @@
 against a single-turn rollout on the same number of generated tokens, side by side in one run
 through the rollout stage. Prints JSON and writes bench/results/multiturn.json.
 
-    python bench/multiturn.py [--prompts 60] [--n 2] [--repeats 5]
+    python bench/multiturn.py [--engine hf|vllm] [--prompts 60] [--n 2] [--repeats 5]
 
 The model: the tiny model (init_std 0.3) taught by tests/_multiturn_setup.py's short fine-tune to
-call the calculator in verl's hermes format; the hf engine, 1 replica, temperature 1.0. Both
+call the calculator in verl's hermes format; 1 replica, temperature 1.0. `--engine hf` (the
+default): the transformers engine, kept for the loop's calls within each stage run; `--engine
+vllm`: vLLM's CPU build (enforce_eager), resident in one RunSession across all runs (started in
+the first calibration run, as a training run's session keeps it). Both
 variants run through the multi-turn agent loop on the same 60 prompts (the four taught arithmetic
 questions, cycled, verl's tool-agent schema):
 
@@ -37,17 +40,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MT = "actor_rollout_ref.rollout.multi_turn"
+ENGINES = {"hf": ["actor_rollout_ref.rollout.name=hf"],
+           "vllm": ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true"]}
+ENGINE = "hf"
+SESSION = None  # --engine vllm: one RunSession, so the engine starts once (in the calibration run)
 
 
 def overrides(folder: Path, model: Path, train: Path, config: Path, name: str, n: int, seed: int, prompts: int) -> list:
     return ["warmstart.enable=false", f"storage.root={folder / 'store'}", f"trainer.experiment_name={name}",
             f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={train}",
-            f"trainer.seed={seed}", "actor_rollout_ref.rollout.name=hf", "trainer.n_gpus_per_node=1",
+            f"trainer.seed={seed}", *ENGINES[ENGINE], "trainer.n_gpus_per_node=1",
             f"{MT}.enable=true", f"{MT}.tool_config_path={config}", f"{MT}.max_parallel_calls=2",
             "data.max_prompt_length=64", "data.max_response_length=320", "data.shuffle=false",
             "actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.rollout.n={n}",
             f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]  # (the update does not run)
 
 
 def run_variant(folder, model, train, config, name, n, seed, prompts) -> dict:
@@ -58,6 +65,8 @@ def run_variant(folder, model, train, config, name, n, seed, prompts) -> dict:
 
     cfg = load_config("tiny-cpu", overrides(folder, model, train, config, name, n, seed, prompts))
     ctx = StageContext.create(cfg, make_plan(cfg), 1)
+    if SESSION is not None:
+        ctx.session = SESSION
     t0 = time.perf_counter()
     manifest = rollout.run(ctx)
     wall = time.perf_counter() - t0
@@ -76,8 +85,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2, help="samples per prompt")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="hf")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "multiturn.json"))
     args = ap.parse_args()
+    global ENGINE, SESSION
+    ENGINE = args.engine
+
+    import contextlib
 
     from _multiturn_setup import teach_tool_calls, tool_row, trajectories, write_calc_config, write_tool_dataset
     from configs.loader import load_config
@@ -87,13 +101,18 @@ def main() -> None:
     from stages.tools.toolset import ToolSet
 
     results = {"cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(), "prompts": args.prompts,
-               "repeats": args.repeats, "engine": "hf", "model": "tiny (init_std 0.3) taught to call the calculator "
+               "repeats": args.repeats, "engine": args.engine, "model": "tiny (init_std 0.3) taught to call the calculator "
                "(tests/_multiturn_setup.py teach_tool_calls, 100 steps)", "runs": []}
-    with tempfile.TemporaryDirectory(prefix="stagerl-bench-multiturn-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="stagerl-bench-multiturn-") as tmp, contextlib.ExitStack() as stack:
+        if args.engine != "hf":
+            from stages.session import RunSession
+
+            SESSION = stack.enter_context(RunSession())
         folder = Path(tmp)
         base = save_tiny_model(folder / "tiny", init_std=0.3)
         config = Path(write_calc_config(folder / "calc.yaml"))
         traj = trajectories()
+
         def dataset(agent: str, prompts: int) -> Path:
             rows = [tool_row(traj[i % len(traj)][0], traj[i % len(traj)][1], i, agent=agent) for i in range(prompts)]
             return Path(write_tool_dataset(folder / f"{agent}-{prompts}.parquet", rows))
