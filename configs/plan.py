@@ -298,9 +298,8 @@ def compute_plan(cfg: dict) -> dict:
                                   check_micro=not actor_dynamic))
     rollout["old_log_prob_pass"] = needs_old_log_prob_pass(cfg, actor)
     check_multi_turn(cfg)
-    staleness = check_async(cfg)
-    if staleness:  # the rows are off-policy: old log-probs from the current policy (proximal), not the rows' sampler
-        rollout["old_log_prob_pass"] = True
+    staleness = check_async(cfg)  # off-policy rows: the old log-probs are still the current policy's
+    # (decoupled PPO's proximal policy), which the update's own first forward is when it applies
     if computes_sum_pi_squared(cfg):  # the key only when on: the plan is in every stage's fingerprint
         rollout["sum_pi_squared"] = True
     ref = None
@@ -317,7 +316,7 @@ def compute_plan(cfg: dict) -> dict:
         "max_seq_len": seq_len,
         "actor": actor, "critic": critic, "rollout": rollout, "ref": ref, "reward_model": reward_model,
         "warnings": warnings,
-        **({"async": async_plan(cfg, staleness)} if staleness else {}),  # only when on: the plan is in every fingerprint
+        **({"async": async_plan(cfg, staleness, rollout["old_log_prob_pass"])} if staleness else {}),  # only when on: the plan is in every fingerprint
     }
 
 
@@ -382,7 +381,7 @@ def check_async(cfg) -> int:
     return staleness
 
 
-def async_plan(cfg, staleness: int) -> dict:
+def async_plan(cfg, staleness: int, old_log_prob_pass: bool) -> dict:
     """What trainer.staleness=s does (`stagerl plan` shows it): which weights each rollout samples,
     which old log-probs the loss uses and which correction covers the behaviour-proximal gap."""
     correction = get_path(cfg, "algorithm.rollout_correction.rollout_is")
@@ -396,7 +395,10 @@ def async_plan(cfg, staleness: int) -> dict:
                   "algorithm.rollout_correction.rollout_is=token to weight by pi_old/pi_rollout")
     return {"staleness": staleness,
             "rollout_samples": f"step k from the weights after update max(0, k-1-{staleness})",
-            "old_log_probs": "recomputed by the logprob stage with the current policy (the weights after update k-1)",
+            "old_log_probs": ("recomputed by the logprob stage with the current policy (the weights after update k-1)"
+                              if old_log_prob_pass else
+                              "the current policy's (the weights after update k-1): the update's own first forward, "
+                              "detached (one mini-batch, one epoch), stored as update/log_probs.parquet"),
             "rollout_log_probs": "stored by the engine (behaviour policy)",
             "correction": covers}
 

@@ -25,7 +25,11 @@ def staleness_overrides(base, root, steps=3, s=1):
 def test_the_plan_says_what_staleness_does_and_refuses_timing_keys_by_name():
     cfg = load_config("configs/tiny-cpu.yaml", ["trainer.staleness=1"])
     plan = compute_plan(cfg)
-    assert plan["async"]["staleness"] == 1 and plan["rollout"]["old_log_prob_pass"] is True
+    assert plan["async"]["staleness"] == 1 and plan["async"]["old_log_probs"].startswith("recomputed by the logprob")
+    on_policy = compute_plan(load_config("configs/tiny-cpu.yaml", [
+        "trainer.staleness=1", "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.actor.use_kl_loss=false"]))
+    assert on_policy["rollout"]["old_log_prob_pass"] is False  # the update's first forward is the current policy
+    assert "the update's own first forward" in on_policy["async"]["old_log_probs"]
     assert "max(0, k-1-1)" in plan["async"]["rollout_samples"] and "none" in plan["async"]["correction"]
     with_is = compute_plan(load_config("configs/tiny-cpu.yaml", [
         "trainer.staleness=2", "actor_rollout_ref.rollout.calculate_log_probs=true",
@@ -48,7 +52,7 @@ def weights(store, experiment, step):
 
 def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(server, assets, tmp_path, capsys):  # noqa: F811
     """Two 3-step runs at s=1 with one seed: identical weights, rollout rows sampled by versions
-    0, 0, 1, old log-probs recomputed (the logprob stage's actor pass), the overlap reported; a
+    0, 0, 1, old log-probs from the current policy (the update's first forward), the overlap reported; a
     run SIGKILLed in step 2's update (step 3's rollout running or done beside it), another in step
     3's rollout (step 2's training beside it), each resumed, end with the same weights."""
     root = tmp_path / "runs"
@@ -64,7 +68,8 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     rollout = read_file(store, layout, 3, "rollout")
     assert "rollout_log_probs" in rollout.column_names  # the behaviour policy's log-probs, stored
     assert read_manifest(store, layout, 3, "rollout")["extra"]["staleness"] == 1
-    assert "old_log_probs" in read_file(store, layout, 2, "logprob").column_names
+    # one mini-batch, one epoch: the old log-probs (the current policy's) are the update's first forward
+    assert "old_log_probs" in read_file(store, layout, 2, "update", "update/log_probs.parquet").column_names
     assert weights(store, "a", 3) == weights(store, "b", 3)
     assert "timing_s/overlap:" in run.stdout, run.stdout[-3000:]  # step 2+: its rollout beside the previous update
     # the step report (a Prefect artifact per step) states the overlap achieved
@@ -77,7 +82,8 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     policy = json.loads(capsys.readouterr().out)["policy"]
     assert code == 0 and policy["policy_version"] == 1 and policy["staleness"] == 1
     engine = [x for r in rollout.column("rollout_log_probs").to_pylist() for x in r]
-    trainer = [x for r in read_file(store, layout, 3, "logprob").column("old_log_probs").to_pylist() for x in r]
+    trainer = [x for r in read_file(store, layout, 3, "update", "update/log_probs.parquet").column("old_log_probs").to_pylist()
+               for x in r]
     by_hand = sum(e - t for e, t in zip(engine, trainer)) / len(engine)
     assert policy["engine_vs_trainer"]["tokens"] == len(engine)
     assert policy["engine_vs_trainer"]["kl_k1"] == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
@@ -111,3 +117,55 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
         assert resumed.returncode == 0, resumed.stdout[-4000:]
         assert all(read_manifest(store, layout, k, s) for k in (1, 2, 3) for s in STAGES)
         assert weights(store, name, 3) == weights(store, "a", 3), fault
+
+
+# ---- the demo learns at s=1 (issue 35: "It still learns"), at a test's scale ------------------
+DEMO_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def demo_assets(tmp_path_factory):
+    """The demo's model (flows.demo.MODEL_OPTIONS) and training set (flows.demo: 1000 prompts of
+    single-digit addition, seed 1), and 8 test prompts."""
+    from flows.demo import DIFFICULTY, MODEL_OPTIONS, TRAIN_ROWS
+    from stages.data.tools import make_arith_dataset, write_rows
+    from stages.model.tiny import save_tiny_model
+
+    base = tmp_path_factory.mktemp("demo")
+    save_tiny_model(base / "model", **MODEL_OPTIONS)
+    write_rows(make_arith_dataset(TRAIN_ROWS, seed=1, difficulty=DIFFICULTY), base / "train.parquet")
+    write_rows(make_arith_dataset(8, seed=2, difficulty=DIFFICULTY, split="test"), base / "test.parquet")
+    return base
+
+
+def demo_overrides(base, root, s: int) -> list:
+    """configs/tiny-cpu.yaml as the demo runs it (its 300-step warm start, temperature 2.0, lr,
+    KL loss, 4 PPO mini-batches per step) scaled down: 24 prompts x 12 = 288 rows per step instead
+    of 720, 1 rank, the hf engine, 16 steps, no validation."""
+    return [f"actor_rollout_ref.model.path={base}/model", f"data.train_files={base}/train.parquet",
+            f"data.val_files={base}/test.parquet", f"storage.root={root}", f"storage.cache_dir={root}-cache",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.name=hf", "reward.num_workers=1", "orchestration.retry_delay_s=0.5",
+            "data.train_batch_size=24", "actor_rollout_ref.rollout.n=12", "data.max_response_length=16",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=6", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=72",
+            "actor_rollout_ref.rollout.hf_generate_batch_size=24",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=144",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=144",
+            f"trainer.total_training_steps={DEMO_STEPS}", f"trainer.staleness={s}"]
+
+
+def test_the_demo_learns_at_staleness_one(server, demo_assets, tmp_path):  # noqa: F811
+    """The demo's task at s=1: every rollout samples the weights one update older than s=0 would
+    (policy_version max(0, k-2)), and the mean reward still rises from ~0.15 over steps 1-3 to
+    ~0.45-0.55 over steps 14-16 (hand-checked over trainer.seed 1-5: +0.26 to +0.38)."""
+    root = tmp_path / "runs"
+    run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "demo-s1",
+                           *demo_overrides(demo_assets, root, s=1)])
+    assert run.returncode == 0, run.stdout[-4000:]
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "demo-s1")
+    steps = range(1, DEMO_STEPS + 1)
+    versions = [set(read_file(store, layout, k, "rollout").column("policy_version").to_pylist()) for k in steps]
+    assert versions == [{max(0, k - 2)} for k in steps]
+    rewards = [read_manifest(store, layout, k, "reward")["extra"]["metrics"]["reward/score/mean"] for k in steps]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last >= first + 0.15 and last >= 1.8 * first, [round(r, 3) for r in rewards]
