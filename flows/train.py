@@ -346,13 +346,37 @@ def before_first_step(run: RunHandle, cfg: dict, plan: dict, dataset, total: int
     if cfg["trainer"]["val_before_train"] and not _first_done(run, total, dataset):
         _log_validation(sinks, 0, validate(run, 0, step_extra(dataset, 1, total)))
     if session.rank_pool is not None:  # the first update's DeepSpeed set-up, beside the first rollout
-        prepare_update(session.rank_pool, run, dataset, total)
+        prepare_update(session.rank_pool.submit_background, run, dataset, total)
     if cfg["orchestration"]["mode"] == "local":  # rollout runs in this process's session: start its engines now
         from flows.step import stage_module  # (workers in the background; hf in this process here)
 
         warm = getattr(stage_module("rollout"), "warm_up", None)
         if warm is not None:
             warm(run.context(1, step_extra(dataset, 1, total)))
+        if session.rank_pool is None and plan["n_gpus"] == 1 and engines_elsewhere(session):
+            prepare_update(in_process_prepare(session), run, dataset, total)
+
+
+def engines_elsewhere(session) -> bool:
+    """True when the run's rollout engines are worker processes (vLLM, several replicas, an hf
+    engine in its own process): this process then idles while a rollout samples."""
+    engines = session.engines()
+    return engines.local is None and bool(engines.workers)
+
+
+def in_process_prepare(session):
+    """At one rank the update trains in this process (stages.ranks.launch.run_ranks): its first
+    DeepSpeed set-up runs in a thread of it, beside the first rollout, and the first update waits
+    for it. Only where the rollout engines are elsewhere: an hf engine here seeds torch's global
+    generator while it samples, and the kept engine's RNG state must be the one a set-up in line
+    would leave."""
+    from stages.ranks.launch import IN_PROCESS_PREPARE
+
+    def submit(module: str, ctx) -> None:
+        import importlib
+
+        session.start_background(IN_PROCESS_PREPARE, lambda: importlib.import_module(module).rank_main(ctx, 0, 1))
+    return submit
 
 
 def run_steps(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, dataset, total: int,
@@ -553,7 +577,8 @@ def start_fork_server(cfg: dict, plan: dict):
 
     if not zygote.wanted(cfg, plan):
         return None
-    return zygote.Zygote.adopt() or zygote.Zygote.start()
+    ranks = plan["n_gpus"] > 1 and cfg["trainer"].get("launcher") != "deepspeed"
+    return zygote.Zygote.adopt() or zygote.Zygote.start(preload=zygote.PRELOAD if ranks else zygote.ENGINE_PRELOAD)
 
 
 def start_rank_pool(cfg: dict, plan: dict, spawner=None):
@@ -577,16 +602,17 @@ def start_rank_pool(cfg: dict, plan: dict, spawner=None):
     return pool
 
 
-def prepare_update(pool, run: RunHandle, dataset, total: int) -> None:
-    """Submit stages.training.worker's prepare job for the first step whose update has not run:
-    the ranks build its engines (and load the previous state) while that step's rollout runs."""
+def prepare_update(submit, run: RunHandle, dataset, total: int) -> None:
+    """Submit (`submit(module, ctx)`: in the background) stages.training.worker's prepare job for
+    the first step whose update has not run: the ranks build its engines (and load the previous
+    state) while that step's rollout runs."""
     from flows.step import stage_is_complete
 
     for step in range(1, total + 1):
         ctx = run.context(step, step_extra(dataset, step, total))
         if not stage_is_complete(ctx, "update"):
             ctx.extra["prepare_only"] = True
-            pool.submit_background("stages.training.worker", ctx)
+            submit("stages.training.worker", ctx)
             return
 
 

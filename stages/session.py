@@ -46,6 +46,7 @@ class RunSession:
         self.retries, self.retry_delay_s = int(retries), float(retry_delay_s)
         self.retryable = retryable or (lambda exc: False)
         self._on_close: dict = {}
+        self._background: dict = {}  # name -> thread (start_background)
         self.rank_pool = None  # stages.ranks.pool.RankPool of this run (not closed by the session)
         self.spawner = None  # stages.ranks.zygote.Zygote: CPU workers and ranks forked, not started (closed last)
         self.closed = False
@@ -96,6 +97,35 @@ class RunSession:
                                                              timeout_s=timeout_s, instance_per="call")
             held.key = key
         return held
+
+    # ---- background set-up ---------------------------------------------------------------------
+    def start_background(self, name: str, fn) -> None:
+        """Run `fn()` in a thread now (set-up that may overlap what the run does next, e.g. the
+        first update's DeepSpeed set-up at one rank while the first rollout samples in its engine's
+        own process); join_background waits for it. A failure is only printed: the work it did
+        ahead is then done where it is needed."""
+        import threading
+
+        def work():
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                print(f"background {name} failed ({type(exc).__name__}: {exc}); its work is done when "
+                      f"needed", flush=True)
+
+        self.join_background(name)
+        thread = threading.Thread(target=work, name=f"background-{name}", daemon=True)
+        self._background[name] = thread
+        thread.start()
+
+    def join_background(self, name: str | None = None) -> None:
+        """Wait for the background set-up `name` (None: all of it)."""
+        import threading
+
+        for key in [name] if name is not None else list(self._background):
+            thread = self._background.pop(key, None)
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
 
     # ---- background commits -------------------------------------------------------------------
     def defer(self, stage: str, step: int, fingerprint: str, commit, local_weights=None) -> None:
@@ -184,6 +214,7 @@ class RunSession:
     def close(self) -> None:
         """Stop every process the session started (idempotent)."""
         self.closed = True
+        self.join_background()
         try:
             self.wait_commits()  # never leave a trained step uncommitted when avoidable
         except DeferredCommitError as exc:

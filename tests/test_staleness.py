@@ -71,6 +71,9 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     # one mini-batch, one epoch: the old log-probs (the current policy's) are the update's first forward
     assert "old_log_probs" in read_file(store, layout, 2, "update", "update/log_probs.parquet").column_names
     assert weights(store, "a", 3) == weights(store, "b", 3)
+    # one rank, the engine in its own process: the first update's DeepSpeed set-up was built in a
+    # thread beside the first rollout (flows.train.in_process_prepare), so step 1 reused it
+    assert read_file(store, layout, 1, "update", "update/metrics.json")["update/engine_reused"] is True
     assert "timing_s/overlap:" in run.stdout, run.stdout[-3000:]  # step 2+: its rollout beside the previous update
     # the step report (a Prefect artifact per step) states the overlap achieved
     reports = json.loads(server.cli("artifact", "inspect", "stagerl-a-step", "-o", "json").stdout)

@@ -56,6 +56,7 @@ from stages.scratch import scratch_prefix
 STDERR_TAIL = 4000
 LAUNCHERS = ("torchrun", "deepspeed")
 RESULTS_FILE = "results.json"  # every rank's return value, written by rank 0 (stages.ranks.entry)
+IN_PROCESS_PREPARE = "one-rank update set-up"  # a RunSession background job run_ranks waits for at world 1
 MASTER_ADDR_ENV = "STAGERL_MASTER_ADDR"  # overrides the hostfile's first host as the rendezvous address
 LAST_LAUNCH: dict = {}  # {"launcher", "cmd", "world"} of the last launch in this process
 
@@ -67,6 +68,9 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     if world == 1:
+        session = getattr(ctx, "session", None)
+        if session is not None:  # the run's one-rank set-up ahead (flows.train prepare_update)
+            session.join_background(IN_PROCESS_PREPARE)
         mod = importlib.import_module(module)
         return [mod.rank_main(ctx, 0, 1)]
     launcher = launcher or _ctx_value(ctx, "trainer.launcher") or "torchrun"

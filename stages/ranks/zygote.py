@@ -39,6 +39,8 @@ from pathlib import Path
 PRELOAD = ("torch", "torch._dynamo", "transformers", "transformers.models.auto.modeling_auto",
            "transformers.generation.utils", "deepspeed", "stages.training.worker", "stages.logprob",
            "stages.engines.hf", "stages.engines.worker", "stages.ranks.server")
+ENGINE_PRELOAD = ("torch", "torch._dynamo", "transformers", "transformers.models.auto.modeling_auto",
+                  "transformers.generation.utils", "stages.engines.hf", "stages.engines.worker")  # no ranks to fork
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 16
@@ -47,14 +49,22 @@ HANDOVER_ENV = "STAGERL_FORK_SERVER"  # fd:server pid:owner pid (Zygote.hand_ove
 
 def wanted(cfg: dict, plan: dict) -> bool:
     """Whether a run forks CPU processes: ranks of a pool on this machine (no DeepSpeed launcher)
-    or hf rollout workers (more than one replica), in local mode on the CPU, with
-    orchestration.fork_server on."""
+    or hf rollout workers (more than one replica, or one in its own process:
+    stages.rollout._engine_options), in local mode on the CPU, with orchestration.fork_server on."""
     if not _local_cpu(cfg):
         return False
     ranks = plan["n_gpus"] > 1 and cfg["trainer"].get("launcher") != "deepspeed"
     workers = (cfg["actor_rollout_ref"]["rollout"]["name"] == "hf"
-               and int((plan.get("rollout") or {}).get("num_replicas") or 1) > 1)
+               and (int((plan.get("rollout") or {}).get("num_replicas") or 1) > 1 or hf_own_process(cfg)))
     return bool(ranks or workers)
+
+
+def hf_own_process(cfg: dict) -> bool:
+    """One hf engine in a worker process of its own (stages.rollout._engine_options): pipelined
+    steps (trainer.staleness > 0: the update trains in the flow's process meanwhile) or a pinned
+    engine (rollout.cpu_affinity)."""
+    rollout = cfg["actor_rollout_ref"]["rollout"]
+    return int(cfg["trainer"].get("staleness") or 0) > 0 or bool(rollout.get("cpu_affinity"))
 
 
 def _local_cpu(cfg: dict) -> bool:
@@ -65,12 +75,15 @@ def _local_cpu(cfg: dict) -> bool:
 def prestart(cfg: dict) -> "Zygote | None":
     """For a launcher (`stagerl train`): start the run's fork server as soon as the config is
     read, before the plan, Prefect and the flow, and offer it to the flow (Zygote.hand_over;
-    flows.train adopts it when zygote.wanted). On the config alone: more than one rank on the CPU.
-    The launcher closes it after the flow (a no-op then: the flow's session closed it)."""
+    flows.train adopts it when zygote.wanted). On the config alone: more than one rank on the CPU,
+    or an hf engine in its own process. The launcher closes it after the flow (a no-op then: the
+    flow's session closed it)."""
     trainer = cfg["trainer"]
-    if not _local_cpu(cfg) or int(trainer["n_gpus_per_node"]) * int(trainer["nnodes"]) < 2:
+    hf_worker = cfg["actor_rollout_ref"]["rollout"]["name"] == "hf" and hf_own_process(cfg)
+    ranks = int(trainer["n_gpus_per_node"]) * int(trainer["nnodes"]) >= 2
+    if not _local_cpu(cfg) or not (ranks or hf_worker):
         return None
-    server = Zygote.start()
+    server = Zygote.start(preload=PRELOAD if ranks else ENGINE_PRELOAD)
     server.hand_over()
     return server
 
