@@ -165,6 +165,7 @@ def publish_step(ctx, summaries: dict) -> dict:
         lines += ["", f"overlap: this step's rollout and reward ran {overlap['seconds']:.3f} s beside step "
                       f"{step - 1}'s logprob, advantage and update ({overlap['share']:.0%} of them); the rollout "
                       f"sampled the weights after update {overlap['policy_version']} (staleness {overlap['staleness']})"]
+    lines += tool_turn_lines(ctx)
     lines += ["", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
     lines += ["", "## samples", ""]
@@ -181,6 +182,32 @@ def publish_step(ctx, summaries: dict) -> dict:
     create_table_artifact(key=f"{slug}-samples", table=samples,
                           description=f"first rows of step {step}")
     return metrics
+
+
+TURNS = "rollout/turns.parquet"
+
+
+def tool_turn_lines(ctx) -> list[str]:
+    """A multi-turn step's tool use, from rollout/turns.parquet: assistant turns per trajectory,
+    and per tool its calls, errors and mean latency (none for a single-turn step)."""
+    manifest = read_manifest(ctx.store, ctx.layout, ctx.step, "rollout") or {}
+    if TURNS not in (manifest.get("files") or {}):
+        return []
+    t = read_file(ctx.store, ctx.layout, ctx.step, "rollout", TURNS).to_pydict()
+    rows = int(manifest.get("row_count") or len(set(t["row"])) or 1)
+    assistant = sum(1 for role in t["role"] if role == "assistant")
+    tools: dict = {}
+    for role, tool, error, latency in zip(t["role"], t["tool"], t["error"], t["latency_s"]):
+        if role == "tool":
+            entry = tools.setdefault(tool or "?", [0, 0, 0.0])
+            entry[0] += 1
+            entry[1] += bool(error)
+            entry[2] += float(latency or 0.0)
+    lines = ["", f"tool turns: {assistant / rows:.2f} assistant turns and "
+                 f"{sum(e[0] for e in tools.values()) / rows:.2f} tool calls per trajectory ({TURNS})", "",
+             "| tool | calls | errors | mean latency s |", "|---|---|---|---|"]
+    lines += [f"| {tool} | {n} | {errors} | {latency / n:.4f} |" for tool, (n, errors, latency) in sorted(tools.items())]
+    return lines
 
 
 def _fmt(value) -> str:

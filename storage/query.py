@@ -191,9 +191,14 @@ def run_query(views, sql: str):
 
 
 # ---- verl's rollout dump (trainer.rollout_data_dir: one {step}.jsonl per step) -----------------
+TURN_FIELDS = ("turn", "role", "call", "tool", "arguments", "response", "error", "latency_s", "token_start", "token_end")
+
+
 def dump_rows(view, step: int) -> list:
     """verl's `_dump_generations` entries for one step: input, output, gts, score, step, then the
-    reward's scalar extra columns (acc, ...), one dict per rollout row in order."""
+    reward's scalar extra columns (acc, ...), one dict per rollout row in order. A multi-turn
+    step adds verl's num_turns and `turns`: the trajectory's rows of rollout/turns.parquet (each
+    assistant turn and tool call: role, tool, arguments, response, error, latency_s, token span)."""
     view.require(step, ["rollout", "reward"])
     rollout, reward = view.table(step, "rollout"), view.table(step, "reward")
     n = rollout.num_rows
@@ -208,4 +213,23 @@ def dump_rows(view, step: int) -> list:
         if pa.types.is_integer(field.type) or pa.types.is_floating(field.type) \
                 or pa.types.is_string(field.type) or pa.types.is_boolean(field.type):
             data[field.name] = reward.column(field.name).to_pylist()
+    turns = _turns_by_row(view, step, n)
+    if turns is not None:
+        data["num_turns"] = rollout.column("num_turns").to_pylist()
+        data["turns"] = turns
     return [{k: v[i] for k, v in data.items()} for i in range(n)]
+
+
+def _turns_by_row(view, step: int, n: int) -> list | None:
+    """Each trajectory's turns (rollout/turns.parquet, in order), or None for a single-turn step."""
+    from storage.artifacts import read_file
+
+    manifest = view.manifest(step, "rollout") or {}
+    if "rollout/turns.parquet" not in (manifest.get("files") or {}):
+        return None
+    table = read_file(view.store, view.layout, step, "rollout", "rollout/turns.parquet")
+    columns = {f: table.column(f).to_pylist() for f in TURN_FIELDS + ("row",)}
+    out: list = [[] for _ in range(n)]
+    for i, row in enumerate(columns["row"]):
+        out[row].append({f: columns[f][i] for f in TURN_FIELDS})
+    return out

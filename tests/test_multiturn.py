@@ -355,6 +355,17 @@ def test_logprob_advantage_and_update_honour_the_mask_and_the_readers_show_the_t
     assert "[4] assistant (tokens" in shown and "#### 19<|im_end|>" in shown
     tokens = json.loads(cli("show", "t", *root, "--step", "1", "--uid", cols["uid"][0], "--json", "--ids"))["tokens"]
     assert [t["mask"] for t in tokens] == masks[0]
+    # export (verl's rollout dump) carries verl's num_turns and each trajectory's turns; the step report a tool table
+    exported = [json.loads(line) for line in cli("export", "t", *root, "--out", "-").splitlines()]
+    assert [e["num_turns"] for e in exported] == cols["num_turns"] and sum(len(e["turns"]) for e in exported) == 30
+    assert [(t["role"], t["tool"], t["error"]) for t in exported[6]["turns"][:2]] == [
+        ("assistant", None, None), ("tool", None, "bad_json")]
+    from flows.step_report import tool_turn_lines
+
+    report = tool_turn_lines(ctx)
+    assert "2.25 assistant turns and 1.50 tool calls per trajectory" in report[1]
+    assert [line.split(" | ")[:3] for line in report[-3:]] == [["| ?", "2", "2"], ["| abacus", "2", "2"],
+                                                               ["| calculator", "8", "0"]]
 
 
 def test_single_turn_rows_through_the_loop_equal_the_single_turn_rollout(tmp_path, assets):
