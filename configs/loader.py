@@ -131,6 +131,27 @@ def _merge_file(tree: dict, data: dict, name: str) -> None:
         _set_path(tree, path, value)
 
 
+VERL_DEFAULTS = ("ppo_trainer", "_self_")  # a verl config file's Hydra defaults list: verl's defaults, then the file
+
+
+def hydra_file(data: dict, path: Path, warnings: list[str]) -> dict:
+    """A verl config file as Hydra composes it (`--config-path/--config-name`, e.g. verl's
+    examples/sglang_multiturn/config/*.yaml): `defaults: [ppo_trainer, _self_]` is base.yaml
+    then the file, which is how every config file merges here; `hydra:` (search path, run folder)
+    is Hydra's own and changes nothing stagerl computes. Other defaults entries are refused by name."""
+    data = dict(data)
+    if "hydra" in data:
+        data.pop("hydra")
+        warnings.append(f"config file {path.name}: `hydra:` (Hydra's own settings) ignored")
+    if "defaults" in data:
+        entries = [e if isinstance(e, str) else str(e) for e in (data.pop("defaults") or [])]
+        if [e for e in entries if e in VERL_DEFAULTS] != [e for e in VERL_DEFAULTS if e in entries] or \
+                any(e not in VERL_DEFAULTS for e in entries):
+            raise ConfigError(f"config file {path.name}: defaults {entries} not supported: only verl's "
+                              f"[ppo_trainer, _self_] (base.yaml, then this file's keys)")
+    return data
+
+
 def resolve_config_file(config: str) -> Path:
     path = Path(config)
     if path.suffix in (".yaml", ".yml") and path.exists():
@@ -272,7 +293,7 @@ def build_raw(config: str | None = None, overrides: Iterable[str] = ()) -> tuple
         data = read_config_file(path)
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys")
-        _merge_file(tree, data, path.name)
+        _merge_file(tree, hydra_file(data, path, warnings), path.name)
     overrides = [o.strip() for o in overrides if o.strip()]
     for item in overrides:
         apply_override(tree, item, warnings)

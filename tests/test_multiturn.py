@@ -8,6 +8,7 @@ and end to end through the rollout stage with the real hf engine and the tiny mo
 the calculator (tests/_multiturn_setup.py), then logprob, reward, advantage and update on those
 rows: the stored mask is honoured everywhere."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -413,6 +414,82 @@ def test_multi_turn_keys_and_refusals(tmp_path):
     assert "dynamic sampling of multi-turn" in refused([*on, "algorithm.filter_groups.enable=true",
                                                         "algorithm.filter_groups.metric=acc"])
     assert "algorithm.adv_estimator=remax" in refused([*on, "algorithm.adv_estimator=remax"])
+
+
+# verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml and the keys of its
+# run_qwen2.5-3b_gsm8k_multiturn.sh (model, data and tool config paths local)
+VERL_MT_CONFIG = """hydra:
+  searchpath:
+    - file://verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+
+data:
+  max_prompt_length: 1024
+  max_response_length: 1024
+  train_batch_size: 256
+  return_raw_chat: True
+
+actor_rollout_ref:
+  hybrid_engine: True
+  rollout:
+    name: sglang
+    multi_turn:
+      enable: True
+      max_assistant_turns: 5
+      format: qwen
+"""
+VERL_MT_KEYS = (
+    "algorithm.adv_estimator=grpo data.train_batch_size=256 data.max_prompt_length=1024 data.max_response_length=1024 "
+    "data.filter_overlong_prompts=True data.truncation=error data.return_raw_chat=True actor_rollout_ref.actor.optim.lr=1e-6 "
+    "actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256 "
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40 actor_rollout_ref.actor.use_kl_loss=True "
+    "actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl "
+    "actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True "
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False "
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.rollout.tensor_model_parallel_size=2 "
+    "actor_rollout_ref.rollout.name=sglang_async actor_rollout_ref.rollout.gpu_memory_utilization=0.5 "
+    "actor_rollout_ref.rollout.n=16 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40 "
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False trainer.critic_warmup=0 "
+    "trainer.logger=['console','wandb'] trainer.project_name=gsm8k_async_rl "
+    "trainer.experiment_name=qwen2.5-3b_function_rm-gsm8k-async-sgl-multi-w-tool-verify-n16 trainer.n_gpus_per_node=8 "
+    "trainer.nnodes=1 trainer.save_freq=-1 trainer.test_freq=20 trainer.total_epochs=15").split()
+
+
+def test_verls_multi_turn_command_line_loads_and_what_cannot_be_honoured_is_refused_by_name(tmp_path, capsys):
+    """verl's own multi-turn command line with only the entry point changed (`stagerl plan` for
+    `python3 -m verl.trainer.main_ppo`, Hydra's --config-path/--config-name kept): its config file
+    composes as Hydra does (defaults [ppo_trainer, _self_] = base, then the file); the SGLang
+    engine, the SGLang-era `format: qwen` and a micro-batch that does not divide the mini-batch
+    (verl asserts it too) are refused by name, in that order, and with those three changed it plans."""
+    from flows.cli import main
+
+    (tmp_path / "gsm8k_multiturn_grpo.yaml").write_text(VERL_MT_CONFIG)
+    tools = tmp_path / "gsm8k_tool_config.yaml"
+    tools.write_text((Path(__file__).resolve().parents[1] / "examples/tool_config/gsm8k_tool_config.yaml").read_text())
+    line = ["plan", f"--config-path={tmp_path}", "--config-name=gsm8k_multiturn_grpo", *VERL_MT_KEYS,
+            f"actor_rollout_ref.model.path={tmp_path}/Qwen2.5-3B-Instruct", f"data.train_files={tmp_path}/train.parquet",
+            f"data.val_files={tmp_path}/test.parquet", f"{MT}.tool_config_path={tools}"]
+    fixes = [("actor_rollout_ref.rollout.name: 'sglang_async' is not one of ['hf', 'vllm']", "actor_rollout_ref.rollout.name=vllm"),
+             (f"{MT}.format: 'qwen' is not one of ['hermes']", f"{MT}.format=hermes"),
+             ("ppo_mini_batch_size 512 should be divisible by ppo_micro_batch_size_per_gpu 40",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")]
+    for message, fix in fixes:
+        assert main(line) == 2
+        assert message in capsys.readouterr().err
+        line.append(fix)
+    assert main(line + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["rows_per_step"] == 256 * 16 and plan["n_gpus"] == 8
+    cfg = load_config(str(tmp_path / "gsm8k_multiturn_grpo.yaml"), line[3:])
+    mt = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
+    assert (mt["enable"], mt["max_assistant_turns"], mt["tool_config_path"]) == (True, 5, str(tools))
+    assert any("hydra" in w for w in cfg.warnings)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", f"--config-path={tmp_path}", "--config-name=nope"])
+    assert exit_info.value.code == 2 and "no config file" in capsys.readouterr().err
 
 
 def test_vllm_in_a_run_session_gives_the_hf_trajectories(tmp_path, taught, assets):

@@ -6,6 +6,8 @@ without loading a model framework."""
 import argparse
 import importlib
 
+from flows.cli.args import hydra_config
+
 COMMAND_MODULES = [
     "flows.cli.plan",
     "flows.cli.model",
@@ -41,5 +43,8 @@ def main(argv=None) -> int:
         if not getattr(args, "trailing_overrides", False) or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides or []) + extra
+    problem = hydra_config(args)
+    if problem:
+        parser.error(problem)
     return int(args.func(args) or 0)
 

@@ -16,6 +16,26 @@ def add_config(parser, default: str | None = None) -> None:
         help_text = ("config name in configs/ or a YAML path (default: base = verl's defaults, so a verl "
                      "command line means what it means in verl; the CPU demo is tiny-cpu)")
     parser.add_argument("--config", default=default, help=help_text)
+    parser.add_argument("--config-path", default=None,
+                        help="Hydra's, as verl's command lines give it: the folder of --config-name")
+    parser.add_argument("--config-name", default=None,
+                        help="Hydra's: a verl config file (NAME.yaml in --config-path) merged on base; its "
+                             "`defaults: [ppo_trainer, _self_]` are verl's defaults, i.e. base")
+
+
+def hydra_config(args) -> str | None:
+    """verl's `--config-path DIR --config-name NAME` (Hydra) as `--config DIR/NAME.yaml`; an error
+    message when the pair does not name a file."""
+    name = getattr(args, "config_name", None)
+    if name is None:
+        return None if getattr(args, "config_path", None) is None else "--config-path needs --config-name (Hydra's pair)"
+    from pathlib import Path
+
+    path = Path(args.config_path or ".") / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    if not path.is_file():
+        return f"--config-path {args.config_path} --config-name {name}: no config file {path}"
+    args.config = str(path)
+    return None
 
 
 def add_overrides(parser, note: str = "", trailing: bool = False) -> None:
