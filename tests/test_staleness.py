@@ -108,6 +108,16 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     refused = stagerl(server, ["fork", "a", "a2", "--at", "3:rollout", "--root", str(root), "trainer.staleness=1"])
     assert refused.returncode == 2 and "step_000001 is no longer kept, and the rollout of step 3 " \
         "(trainer.staleness=1) needs it" in refused.stdout, refused.stdout[-2000:]
+    # a fork at the same step into the other schedule: a0 redoes step 3 at staleness 0 (sampling
+    # the weights after update 2, kept) and the two branches' curves plot side by side
+    forked = stagerl(server, ["fork", "a", "a0", "--at", "3:rollout", "--root", str(root), "trainer.staleness=0",
+                              "actor_rollout_ref.rollout.calculate_log_probs=true"])
+    assert forked.returncode == 0, forked.stdout[-3000:]
+    branch = read_file(store, RunLayout(PROJECT, "a0"), 3, "rollout")
+    assert set(branch.column("policy_version").to_pylist()) == {2}
+    assert branch.column("rollout_log_probs").to_pylist() != rollout.column("rollout_log_probs").to_pylist()  # other weights
+    assert main(["plot", "a", "a0", "--root", str(root), "--json"]) == 0
+    assert "branches_a_a0.png" in {p["name"] for p in json.loads(capsys.readouterr().out)}
     # killed in step 2's update after it trained (its commit not written), step 3's rollout beside it
     for name, fault in (("c", "update:after_train@2"), ("d", "rollout:before_manifest@3")):
         killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", name,
