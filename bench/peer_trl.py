@@ -37,6 +37,7 @@ Per run, from one instant t0 (the parent's time.time() just before it starts the
                the top of the flow's step-1 loop iteration = its log time minus timing_s/step)
   warm_step_s  mean period of steps 2..N: (end of step N - end of step 1) / (N - 1)
   wall_s       begin of step 1 -> end of step N (TRL: on_step_end; stagerl: the flow logs the step)
+  startup_and_wall_s  t0 -> end of step N: the N-step wall with start-up included (issue 34's)
   split_s      mean over steps 2..N of the phases (stagerl: timing_s/{stage} as bench/step.py reads
                them, "other" = the rest of the step; TRL: generate, reward, the rest of
                generate-and-score, and the rest of the step = forward/backward/optimizer)
@@ -179,7 +180,8 @@ def timeline(begin_1: float, ends: list[float], t0: float, t_exit: float) -> dic
     steps = [ends[0] - begin_1] + [b - a for a, b in zip(ends, ends[1:])]
     warm = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None
     return {"startup_s": round(begin_1 - t0, 3), "warm_step_s": round(warm, 3) if warm else None,
-            "wall_s": round(ends[-1] - begin_1, 3), "process_s": round(t_exit - t0, 3),
+            "wall_s": round(ends[-1] - begin_1, 3), "startup_and_wall_s": round(ends[-1] - t0, 3),
+            "process_s": round(t_exit - t0, 3),
             "step_s": [round(s, 3) for s in steps]}
 
 
@@ -282,7 +284,7 @@ def aggregate(results: list[dict], variants: list[str]) -> dict:
         good = [r for r in results if r["variant"] == name and "error" not in r and r["returncode"] == 0]
         med = lambda key: round(statistics.median(r[key] for r in good), 3) if good and good[0].get(key) is not None else None
         out[name] = {"runs_ok": len(good), "runs_failed": sum(r["variant"] == name for r in results) - len(good),
-                     **{k: med(k) for k in ("startup_s", "warm_step_s", "wall_s", "process_s", "imports_s",
+                     **{k: med(k) for k in ("startup_s", "warm_step_s", "wall_s", "startup_and_wall_s", "process_s", "imports_s",
                                                 "prefect_server_cpu_s")},
                      **{part: {k: round(statistics.median(r[part][k] for r in good), 3)
                                for k in (good[0][part] if good else {})}
@@ -300,7 +302,7 @@ def aggregate(results: list[dict], variants: list[str]) -> dict:
 
 def ratios(row: dict, trl: dict) -> dict:
     return {k: round(row[k] / trl[k], 3) if row.get(k) and trl.get(k) else None
-            for k in ("startup_s", "warm_step_s", "wall_s", "process_s")}
+            for k in ("startup_s", "warm_step_s", "wall_s", "startup_and_wall_s", "process_s")}
 
 
 def best_vs_best(median: dict) -> dict:
