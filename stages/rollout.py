@@ -461,7 +461,8 @@ def run(ctx) -> dict:
 
 def multi_turn_summary(columns: dict, turns, engine_timings: dict) -> dict:
     """The manifest's extra["multi_turn"]: turns per trajectory, tool calls and errors by kind, the
-    share of response tokens under the mask, and the loop's generation / tool-wait seconds."""
+    correct-tool-use rate (agent_loop.correct_tool_use), the share of response tokens under the mask, and the loop's generation / tool-wait seconds."""
+    from stages.engines.agent_loop import correct_tool_use
     from stages.tools.base import ERROR_KINDS
 
     t = turns.to_pydict()
@@ -474,6 +475,7 @@ def multi_turn_summary(columns: dict, turns, engine_timings: dict) -> dict:
     out = {"trajectories": rows, "num_turns_mean": sum(columns["num_turns"]) / rows if rows else 0.0,
            "assistant_turns_mean": t["role"].count("assistant") / rows if rows else 0.0,
            "tool_calls": len(tool), "tool_calls_per_trajectory": len(tool) / rows if rows else 0.0,
+           "correct_tool_use": correct_tool_use(t, columns["ground_truth"]),
            "tool_errors": len(errors), "tool_error_rate": len(errors) / len(tool) if tool else 0.0,
            **{f"tool_errors/{k}": errors.count(k) for k in ERROR_KINDS},
            "tool_turns_cut": loop.get("tool_turns_cut", 0),

@@ -57,7 +57,8 @@ def log_line(step: int, metrics: dict) -> str:
 # shown. A metrics set with none of them (e.g. a custom stage's) is shown whole.
 CONSOLE_KEYS = ("critic/score/mean", "critic/rewards/mean", "response_length/mean", "actor/kl_loss",
                 "actor/reward_kl_penalty", "actor/pg_loss", "critic/vf_loss", "actor/grad_norm",
-                "timing_s/step", "timing_s/overlap")  # overlap: trainer.staleness >= 1 only
+                "multi_turn/correct_tool_use", "timing_s/step",
+                "timing_s/overlap")  # overlap: trainer.staleness >= 1 only; correct_tool_use: multi-turn only
 CONSOLE_PREFIXES = ("val/",)
 
 

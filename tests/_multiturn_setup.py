@@ -15,7 +15,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.engines import Engine, Generation, eos_token_ids, finish
-from stages.engines.agent_loop import _template_ids, system_prompt_ids
 
 CALC_CONFIG = "tools:\n  - class_name: calculator\n    config: {type: native}\n"
 
@@ -65,28 +64,14 @@ def trajectories() -> list[tuple[str, str, list[str]]]:
 def sft_examples(tokenizer, prompt_ids: dict, eos: int, tools) -> list[tuple[list[int], list[int]]]:
     """(ids, labels with -100 off the assistant tokens) of every scripted trajectory; `prompt_ids`
     maps each question to its templated prompt ids (as the dataset tokenised it); `tools` a ToolSet
-    that answers the calls as the agent loop's will."""
-    from stages.tools.parser import parse_hermes
+    that answers the calls as the agent loop's will (stages.engines.agent_loop.demonstrations, what
+    the multi-turn warm start trains on)."""
+    from stages.engines.agent_loop import LoopSettings, demonstrations
 
-    system = system_prompt_ids(tokenizer, {})
-    out = []
-    for n, (question, _, turns) in enumerate(trajectories()):
-        ids = list(prompt_ids[question])
-        labels = [-100] * len(ids)
-        tools.create(f"sft{n}", {})
-        for turn in turns:
-            tokens = tokenizer(turn, add_special_tokens=False)["input_ids"] + [eos]
-            ids += tokens
-            labels += tokens
-            _, calls = parse_hermes(turn)
-            if calls:
-                texts = [r.text for r in tools.execute([(f"sft{n}", c) for c in calls])]
-                tool_ids = _template_ids(tokenizer, [{"role": "tool", "content": t} for t in texts], True, {})
-                ids += tool_ids[len(system):]
-                labels += [-100] * (len(tool_ids) - len(system))
-        tools.release(f"sft{n}")
-        out.append((ids, labels))
-    return out
+    scripts = trajectories()
+    return demonstrations(tokenizer, [prompt_ids[q] for q, _, _ in scripts], [turns for _, _, turns in scripts],
+                          tools, LoopSettings(response_length=10 ** 6, max_parallel_calls=8), eos,
+                          keys=[f"sft{n}" for n in range(len(scripts))])
 
 
 def teach_tool_calls(model_dir, out_dir, prompt_ids: dict, tools, steps: int = 300, lr: float = 3e-3):

@@ -68,7 +68,7 @@ def run_inspect(args) -> int:
         if any(r.get("staleness") for r in rows):  # trainer.staleness: the weights each rollout sampled
             cols += ("version", "staleness", "engine_kl_k1", "is_weight/mean")
         if any(r.get("turns/mean") is not None for r in rows):  # multi-turn: turns, tool calls, errors
-            cols += ("turns/mean", "tool_calls/sample", "tool_error_rate")
+            cols += ("turns/mean", "tool_calls/sample", "tool_error_rate", "correct_tool_use")
         table = [cols] + [tuple(_fmt(r.get(c)) for c in cols) for r in rows]
         widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
         for t in table:
@@ -117,6 +117,7 @@ def print_stage(name: str, sec: dict) -> None:
             print(f"    turns/sample:    {_kv(m['num_turns'])}  assistant turns: {_kv(m['assistant_turns'])}")
             print(f"    tool calls:      {m['tool_calls']} ({_fmt(m['tool_calls_per_sample'])}/sample)  "
                   f"by tool: {_kv(m['calls_by_tool']) or '-'}  tool-response tokens: {_fmt(m['tool_token_share'])}")
+            print(f"    correct tool use: {_fmt(m['correct_tool_use'])} (samples with a call that answered the ground truth)")
             print(f"    tool errors:     {_kv(m['errors']) or 'none'}"
                   + (f"  rate: {_kv(m['error_rate'])}" if m['errors'] else ""))
             print(f"    tool latency s:  {_kv(m['tool_latency_s'])}")

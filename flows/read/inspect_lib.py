@@ -120,8 +120,11 @@ TURNS = "rollout/turns.parquet"
 
 
 def multi_turn_metrics(view, step: int) -> dict | None:
-    """Turns per trajectory, tool calls per tool, error counts and rates by kind, tool latency and
-    the share of response tokens that are tool responses, from the step's turns table."""
+    """Turns per trajectory, tool calls per tool, error counts and rates by kind, the
+    correct-tool-use rate (stages.engines.agent_loop.correct_tool_use), tool latency and the share
+    of response tokens that are tool responses, from the step's turns table."""
+    from stages.engines.agent_loop import correct_tool_use
+
     turns = turns_table(view, step)
     if turns is None:
         return None
@@ -143,6 +146,7 @@ def multi_turn_metrics(view, step: int) -> dict | None:
             "assistant_turns": _stats(per_row.get(r, 0) for r in range(rollout.num_rows)),
             "tool_calls": len(tool), "tool_calls_per_sample": len(tool) / rollout.num_rows if rollout.num_rows else 0.0,
             "calls_by_tool": calls, "errors": errors,
+            "correct_tool_use": correct_tool_use(t, rollout.column("ground_truth").to_pylist()),
             "error_rate": {kind: n / len(tool) for kind, n in errors.items()},
             "tool_latency_s": _stats(t["latency_s"][i] for i in tool),
             "tool_token_share": (tokens - sum(sum(m) for m in masks)) / tokens if tokens else 0.0}
@@ -407,6 +411,7 @@ def overview_row(view, step: int) -> dict:
             row["turns/mean"] = multi["num_turns"]["mean"]
             row["tool_calls/sample"] = multi["tool_calls_per_sample"]
             row["tool_error_rate"] = sum(multi["errors"].values()) / multi["tool_calls"] if multi["tool_calls"] else 0.0
+            row["correct_tool_use"] = multi["correct_tool_use"]
     if status["reward"]:
         r = reward_metrics(view, step)
         row["score/mean"], row["acc/mean"] = r["score"]["mean"], r["acc_mean"]

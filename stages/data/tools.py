@@ -4,6 +4,9 @@ Every row has: data_source (str), prompt (list of {role, content}), ability (str
 reward_model {style: "rule", ground_truth: str}, extra_info {split, index, question, answer}.
 
 - make_arith_dataset: synthetic arithmetic questions ("What is 12 + 7? Answer after ####.").
+- make_tool_arith_dataset: the calculator task (verl's tool-agent schema): products the tiny
+  model is never taught to compute, each row with a demonstration (a calculator call, then the
+  answer) for the multi-turn warm start.
 - convert_gsm8k: GSM8K in its Hugging Face form (question, answer) -> the rows verl's
   examples/data_preprocess/gsm8k.py writes.
 
@@ -155,6 +158,68 @@ def make_arith_dataset(n: int, seed: int = 0, difficulty: int = 1, split: str = 
             },
         })
     return rows
+
+
+ARITH_TOOL_SOURCE = "stagerl/arith-tool"  # scored on the last "#### <number>" (stages/scoring/scorers.py)
+TOOL_SYSTEM_PROMPT = "Use the calculator tool, then answer after ####."
+
+
+def hermes_call(name: str, arguments: dict, arguments_first: bool = False) -> str:
+    """A tool call in the hermes format the agent loop parses (stages/tools/parser.py: any key
+    order). arguments_first writes {"arguments": ..., "name": ...}: the expression then comes ~25
+    tokens after the question instead of ~50, close enough for the tiny demo model to learn to
+    read it in a short warm start (at ~50 it does not within 600 steps)."""
+    body = {"arguments": arguments, "name": name} if arguments_first else {"name": name, "arguments": arguments}
+    return "<tool_call>" + json.dumps(body) + "</tool_call>"
+
+
+def make_tool_arith_dataset(n: int, seed: int = 0, split: str = "train", digits: int = 1,
+                            op: str = "*") -> list[dict]:
+    """n rows of the calculator task in verl's tool-agent schema (verl:
+    examples/data_preprocess/gsm8k_tool_agent_loop.py): "What is a op b?" with a, b of `digits`
+    digits (default: single-digit products, 1..9 * 1..9); a chat-list prompt with a system message,
+    agent_name tool_agent, reward_model.ground_truth, extra_info.tools_kwargs.calculator.create_kwargs,
+    and extra_info.demonstration: the assistant turns that solve it with the tool (a calculator
+    call, then "#### <value>"), which the multi-turn warm start trains on
+    (warmstart.demonstration_key). The same (n, seed, split, digits, op) gives the same rows.
+
+    Why single digits: the demo's tiny model (2 layers) does not learn to copy a multi-digit
+    number digit by digit into the call within a warm start (3-digit and 2-digit sums: the call's
+    digits stayed at chance after 600 and 250 steps); two single digits it reads by content."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if n < 0 or digits < 1 or op not in ("+", "-", "*"):
+        raise ValueError(f"n must be >= 0, digits >= 1 and op one of + - *, got n={n}, digits={digits}, op={op!r}")
+    rng = random.Random(f"{ARITH_TOOL_SOURCE}:{seed}:{digits}:{op}:{split}")
+    low, high = 10 ** (digits - 1), 10 ** digits - 1
+    rows = []
+    for index in range(n):
+        expression = f"{rng.randint(low, high)} {op} {rng.randint(low, high)}"
+        truth = str(evaluate_expression(expression))
+        question = f"What is {expression}?"
+        rows.append({
+            "data_source": ARITH_TOOL_SOURCE,
+            "agent_name": "tool_agent",
+            "prompt": [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, {"role": "user", "content": question}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": truth},
+            "extra_info": {"split": split, "index": index, "question": question, "need_tools_kwargs": True,
+                           "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": truth}}},
+                           "demonstration": [hermes_call("calculator", {"expression": expression}, arguments_first=True),
+                                             f"#### {truth}"]},
+        })
+    return rows
+
+
+def write_tool_rows(rows: list[dict], out_path) -> Path:
+    """Write tool-agent rows (their schema inferred) to a parquet file (parent folders created)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out
 
 
 def write_arith_dataset(out_path, n: int = 1000, seed: int = 0, difficulty: int = 1,

@@ -137,6 +137,94 @@ def _template_ids(tokenizer, messages, add_generation_prompt: bool, template_kwa
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def tool_turn_ids(tokenizer, texts: Sequence[str], system_prompt: list, template_kwargs: dict) -> list:
+    """The ids the loop appends for one tool turn (response_mask 0): the tool messages `texts`
+    templated with add_generation_prompt=True, the template's system-prompt prefix removed."""
+    return _template_ids(tokenizer, [{"role": "tool", "content": t} for t in texts], True,
+                         template_kwargs)[len(system_prompt):]
+
+
+def tool_text(result, settings: "LoopSettings") -> str:
+    """A tool call's message content as the loop appends it: a response cut to
+    max_tool_response_length on tool_response_truncate_side (errors are not cut, as verl)."""
+    from stages.tools.toolset import truncate_response
+
+    text = result.text
+    if result.ok:
+        text = truncate_response(text, settings.max_tool_response_length, settings.tool_response_truncate_side)
+    return text or ""
+
+
+def demonstrations(tokenizer, prompt_ids: Sequence, turns: Sequence, tools, settings: "LoopSettings", eos: int,
+                   tools_kwargs: Sequence | None = None, template_kwargs: dict | None = None,
+                   keys: Sequence[str] | None = None, tool_timeout_s: float | None = None) -> list:
+    """(ids, labels) of whole trajectories built as the loop would build them had the policy
+    sampled the given assistant turns (`turns[i]`: row i's assistant texts, in order): each turn is
+    tokenised and ends with `eos` (labels: the ids); after a turn with calls (parsed as the loop
+    parses them, its first max_parallel_calls) the real tools (`tools`, a ToolSet) answer them and
+    their tool turn is appended exactly as the loop appends it, with labels -100. The prompt's
+    labels are -100. A supervised warm start on these teaches the tool-call format
+    (stages/model/warmstart.py). A trajectory whose response would reach settings.response_length
+    is refused (the loop would cut it)."""
+    from stages.tools.parser import get_parser
+
+    parse = get_parser(settings.format)
+    template_kwargs = dict(template_kwargs or {})
+    system = system_prompt_ids(tokenizer, template_kwargs)
+    keys = list(keys) if keys is not None else [f"demo{i}" for i in range(len(turns))]
+    kwargs = list(tools_kwargs) if tools_kwargs is not None else [{}] * len(turns)
+    # every call of every row is submitted at once (a demonstration's texts do not depend on the
+    # responses), then the trajectories are assembled in order
+    encoded, futures, created = [], {}, []
+    try:
+        for i, texts in enumerate(turns):
+            rows = []
+            for t, text in enumerate(texts):
+                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos]
+                _, calls = parse(tokenizer.decode(ids, skip_special_tokens=False))
+                calls = calls[:settings.max_parallel_calls] if t < len(texts) - 1 else []
+                if calls and tools is None:
+                    raise ValueError(f"demonstration {i}: turn {t} calls a tool but there is no tool config")
+                if calls and keys[i] not in created:
+                    tools.create(keys[i], kwargs[i] or {})
+                    created.append(keys[i])
+                futures[(i, t)] = [tools.submit(keys[i], call, tool_timeout_s) for call in calls]
+                rows.append(ids)
+            encoded.append(rows)
+        out = []
+        for i, rows in enumerate(encoded):
+            ids, labels = list(prompt_ids[i]), [-100] * len(prompt_ids[i])
+            for t, turn_ids in enumerate(rows):
+                ids += turn_ids
+                labels += turn_ids
+                results = [f.result() for f in futures[(i, t)]]
+                if results:
+                    tool_ids = tool_turn_ids(tokenizer, [tool_text(r, settings) for r in results], system,
+                                             template_kwargs)
+                    ids += tool_ids
+                    labels += [-100] * len(tool_ids)
+            if len(ids) - len(prompt_ids[i]) >= settings.response_length:
+                raise ValueError(f"demonstration {i}: {len(ids) - len(prompt_ids[i])} response tokens, not below "
+                                 f"the response length {settings.response_length} (the loop would cut it)")
+            out.append((ids, labels))
+        return out
+    finally:
+        for key in created:
+            tools.release(key)
+
+
+def correct_tool_use(turns: dict, ground_truths: Sequence[str]) -> float:
+    """The correct-tool-use rate of a batch: the share of trajectories (rows) with a tool call that
+    answered, without error, the row's ground truth (its text, stripped). `turns`: the turns
+    table's columns (rollout/turns.parquet: row, role, error, response). For a tool that computes
+    the answer (the calculator task) it is the share of samples that asked the right question;
+    0.0 for tools whose responses are never the answer itself."""
+    rows = {row for row, role, error, text in zip(turns["row"], turns["role"], turns["error"], turns["response"])
+            if role == "tool" and error is None and row < len(ground_truths)
+            and (text or "").strip() == str(ground_truths[row]).strip()}
+    return len(rows) / len(ground_truths) if ground_truths else 0.0
+
+
 # generate(rows of token ids, sampling, call seed, row seeds) -> one Generation per row
 GenerateFn = Callable[[list, Sampling, int, list], "list[Generation]"]
 
@@ -267,25 +355,19 @@ class AgentLoop:
     def _take_tools(self, trajs, pending: dict) -> None:
         """Append the answered tool turns of a group (or end the rows they would overflow)."""
         s = self.settings
-        from stages.tools.toolset import truncate_response
-
         for row, futures in pending["futures"].items():
             traj = trajs[row]
             results = [f.result() for f in futures]
             texts = []
             for result in results:
-                text = result.text
-                if result.ok:
-                    text = truncate_response(text, s.max_tool_response_length, s.tool_response_truncate_side)
-                texts.append(text or "")
+                texts.append(tool_text(result, s))
                 if result.error is not None:
                     traj.tool_rewards.append(0.0)
                 elif result.reward is not None:
                     traj.tool_rewards.append(float(result.reward))
                 self.stats["tool_calls"] += 1
                 self.stats["tool_s"] += float(result.latency_s or 0.0)
-            ids = _template_ids(self.tokenizer, [{"role": "tool", "content": t} for t in texts], True,
-                                self.template_kwargs)[len(self.system_prompt):]
+            ids = tool_turn_ids(self.tokenizer, texts, self.system_prompt, self.template_kwargs)
             start = len(traj.response_ids)
             appended = len(traj.response_mask) + len(ids) < s.response_length
             if appended:

@@ -5,7 +5,14 @@ It is a stage like the others, recorded under step 0: it writes weights/step_000
 samples from, and the reference policy) and then its manifest (warmstart/metrics.json), so a
 resumed run skips it when it is complete. A from-scratch tiny model cannot produce the answer
 format at all; a few hundred supervised steps teach the format and some answers, and RL does the
-rest (`make demo`)."""
+rest (`make demo`).
+
+Multi-turn (actor_rollout_ref.rollout.multi_turn.enable): a row whose extra_info holds a
+demonstration (`warmstart.demonstration_key`: its assistant turns, e.g. a tool call, then the
+answer) is trained on as a whole trajectory, built exactly as the agent loop builds one
+(stages.engines.agent_loop.demonstrations): the tool calls are run by the real tools of
+multi_turn.tool_config_path and their tool turns appended as the loop appends them, with the loss
+on the assistant tokens only (`configs/tools-tiny-cpu.yaml`). Other rows use response_template."""
 from __future__ import annotations
 
 import os
@@ -18,44 +25,86 @@ import numpy as np
 STAGE = "warmstart"
 INPUTS = ()
 CONFIG_KEYS = ("warmstart", "data", "actor_rollout_ref.model", "trainer.seed")
+MULTI_TURN = "actor_rollout_ref.rollout.multi_turn"
 STEP = 0
 
 
 def stage_fingerprint(ctx) -> str:
-    return ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS)
+    if not _multi_turn(ctx):  # (only when on: a single-turn warm start keeps its fingerprint)
+        return ctx.fingerprint(STAGE, CONFIG_KEYS, INPUTS)
+    from stages.rollout import _tool_config_digest
+    from storage.artifacts import fingerprint as hash_obj
+
+    base = ctx.fingerprint(STAGE, CONFIG_KEYS + (MULTI_TURN, "data.max_response_length"), INPUTS)
+    return hash_obj({"base": base, "tool_config": _tool_config_digest(ctx)})  # the tools' file content
+
+
+def _multi_turn(ctx) -> bool:
+    return bool(ctx.get(f"{MULTI_TURN}.enable"))
 
 
 def _examples(ctx, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + EOS) for every training prompt that has a ground truth."""
+    """(ids, labels: -100 where no loss) for every training prompt that has a ground truth: the
+    prompt + response_template + EOS, or (multi-turn) the row's demonstrated trajectory."""
     from stages.data.dataset import RLDataset
 
     dataset = RLDataset(ctx.cfg["data"], tokenizer, split="train", fallback_seed=ctx.get("trainer.seed"),
                         chat_template=ctx.get("actor_rollout_ref.model.custom_chat_template"))
     template = ctx.get("warmstart.response_template")
+    demo_key = ctx.get("warmstart.demonstration_key") if _multi_turn(ctx) else None
     eos = tokenizer.eos_token_id
-    out = []
+    out, demos = [], []
     for row in dataset.rows:
+        if demo_key and row.extra_info.get(demo_key):
+            demos.append(row)
+            continue
         if row.ground_truth is None:
             continue
         response = tokenizer.encode(template.format(ground_truth=row.ground_truth), add_special_tokens=False)
-        out.append((list(row.prompt_ids), response + [eos]))
+        prompt = list(row.prompt_ids)
+        out.append((prompt + response + [eos], [-100] * len(prompt) + response + [eos]))
+    if demos:
+        out += _trajectories(ctx, tokenizer, demos, demo_key, eos)
     if not out:
         raise ValueError(f"warmstart: no training row of {ctx.get('data.train_files')} has a ground truth")
     return out
 
 
+def _trajectories(ctx, tokenizer, rows, key: str, eos: int) -> list:
+    """The demonstrated trajectories of `rows` (extra_info[key]: the assistant turns), their tool
+    turns answered by the run's tools as the agent loop's are."""
+    from stages.engines.agent_loop import LoopSettings, demonstrations
+    from stages.rollout import ROLLOUT, rollout_tools
+
+    template_kwargs = dict(ctx.get("data.apply_chat_template_kwargs") or {})
+    if ctx.get("actor_rollout_ref.model.custom_chat_template"):
+        template_kwargs["chat_template"] = ctx.get("actor_rollout_ref.model.custom_chat_template")
+    settings = LoopSettings.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get("data.max_response_length")))
+    turns = []
+    for row in rows:
+        value = row.extra_info[key]
+        turns.append([value] if isinstance(value, str) else list(value))
+    tools, owned = rollout_tools(ctx)
+    try:
+        return demonstrations(tokenizer, [r.prompt_ids for r in rows], turns, tools, settings, eos,
+                              tools_kwargs=[dict(r.extra_info.get("tools_kwargs") or {}) for r in rows],
+                              template_kwargs=template_kwargs, keys=[f"warmstart-{r.row}" for r in rows])
+    finally:
+        if owned:
+            tools.close()
+
+
 def _lm_batch(examples, pad_id: int):
     import torch
 
-    width = max(len(p) + len(r) for p, r in examples)
+    width = max(len(seq) for seq, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
     mask = torch.zeros_like(ids)
-    for i, (prompt, response) in enumerate(examples):
-        seq = prompt + response
+    for i, (seq, target) in enumerate(examples):
         ids[i, :len(seq)] = torch.tensor(seq)
         mask[i, :len(seq)] = 1
-        labels[i, len(prompt):len(seq)] = torch.tensor(response)
+        labels[i, :len(seq)] = torch.tensor(target)
     return ids, mask, labels
 
 

@@ -238,6 +238,16 @@ def _arith_scorer(solution_str, ground_truth, extra_info=None, format_score=0.0)
     return compute_score_arith(solution_str, ground_truth, format_score)
 
 
+@register_scorer("stagerl/arith-tool")
+def _arith_tool_scorer(solution_str, ground_truth, extra_info=None) -> dict:
+    """The calculator task (stages.data.tools.make_tool_arith_dataset): 1.0 when the last
+    "#### <number>" equals the ground truth (verl's strict GSM8K rule), so the number the tool
+    answered, also in the response (masked), earns nothing unless the model writes it after ####."""
+    answer = extract_solution(solution_str, method="strict")
+    correct = answer is not None and answer == str(ground_truth).strip()
+    return {"score": 1.0 if correct else 0.0, "acc": correct}
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch
 
