@@ -402,7 +402,7 @@ def test_multi_turn_keys_and_refusals(tmp_path):
     assert cfg["data"]["tool_config_path"] == str(tools)   # verl's interpolation
     mt = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
     assert (mt["max_parallel_calls"], mt["max_tool_response_length"], mt["format"], mt["max_user_turns"]) == (1, 256, "hermes", None)
-    assert "multi_turn.format: 'llama3_json' is not one of ['hermes']" in refused([*on, f"{MT}.format=llama3_json"])
+    assert "multi_turn.format: 'llama3_json' is not one of ['hermes', 'qwen']" in refused([*on, f"{MT}.format=llama3_json"])
     assert "interaction_config_path='x.yaml': stagerl does not implement" in refused([*on, f"{MT}.interaction_config_path=x.yaml"])
     assert "use_inference_chat_template=True: stagerl does not implement" in refused([*on, f"{MT}.use_inference_chat_template=true"])
     assert "agent_loop_config_path" in refused([*on, "actor_rollout_ref.rollout.agent.agent_loop_config_path=a.yaml"])
@@ -461,9 +461,10 @@ VERL_MT_KEYS = (
 def test_verls_multi_turn_command_line_loads_and_what_cannot_be_honoured_is_refused_by_name(tmp_path, capsys):
     """verl's own multi-turn command line with only the entry point changed (`stagerl plan` for
     `python3 -m verl.trainer.main_ppo`, Hydra's --config-path/--config-name kept): its config file
-    composes as Hydra does (defaults [ppo_trainer, _self_] = base, then the file); the SGLang
-    engine, the SGLang-era `format: qwen` and a micro-batch that does not divide the mini-batch
-    (verl asserts it too) are refused by name, in that order, and with those three changed it plans."""
+    composes as Hydra does (defaults [ppo_trainer, _self_] = base, then the file; its `format:
+    qwen`, SGLang's name for the hermes <tool_call> JSON, is read as hermes); the SGLang engine
+    and a micro-batch that does not divide the mini-batch (verl asserts it too) are refused by
+    name, in that order, and with those two changed it plans."""
     from flows.cli import main
 
     (tmp_path / "gsm8k_multiturn_grpo.yaml").write_text(VERL_MT_CONFIG)
@@ -473,7 +474,6 @@ def test_verls_multi_turn_command_line_loads_and_what_cannot_be_honoured_is_refu
             f"actor_rollout_ref.model.path={tmp_path}/Qwen2.5-3B-Instruct", f"data.train_files={tmp_path}/train.parquet",
             f"data.val_files={tmp_path}/test.parquet", f"{MT}.tool_config_path={tools}"]
     fixes = [("actor_rollout_ref.rollout.name: 'sglang_async' is not one of ['hf', 'vllm']", "actor_rollout_ref.rollout.name=vllm"),
-             (f"{MT}.format: 'qwen' is not one of ['hermes']", f"{MT}.format=hermes"),
              ("ppo_mini_batch_size 512 should be divisible by ppo_micro_batch_size_per_gpu 40",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32")]
     for message, fix in fixes:
@@ -485,7 +485,7 @@ def test_verls_multi_turn_command_line_loads_and_what_cannot_be_honoured_is_refu
     assert plan["rows_per_step"] == 256 * 16 and plan["n_gpus"] == 8
     cfg = load_config(str(tmp_path / "gsm8k_multiturn_grpo.yaml"), line[3:])
     mt = cfg["actor_rollout_ref"]["rollout"]["multi_turn"]
-    assert (mt["enable"], mt["max_assistant_turns"], mt["tool_config_path"]) == (True, 5, str(tools))
+    assert (mt["enable"], mt["max_assistant_turns"], mt["tool_config_path"], mt["format"]) == (True, 5, str(tools), "qwen")
     assert any("hydra" in w for w in cfg.warnings)
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", f"--config-path={tmp_path}", "--config-name=nope"])

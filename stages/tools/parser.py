@@ -60,8 +60,9 @@ def _read_call(span: str) -> ToolCall:
     return ToolCall(name, json.dumps(value["arguments"], ensure_ascii=False))
 
 
-# verl's multi_turn.format names; "gpt-oss" is not provided here
-PARSERS: dict[str, Callable[..., tuple[str, list[ToolCall]]]] = {"hermes": parse_hermes}
+# verl's multi_turn.format names; "gpt-oss" is not provided here. "qwen": the name verl's SGLang
+# multi-turn configs give (SGLang's Qwen 2.5 detector): the same <tool_call>{"name", "arguments"}</tool_call>
+PARSERS: dict[str, Callable[..., tuple[str, list[ToolCall]]]] = {"hermes": parse_hermes, "qwen": parse_hermes}
 
 
 def get_parser(name: str) -> Callable[..., tuple[str, list[ToolCall]]]:
