@@ -19,6 +19,7 @@ from pathlib import Path
 MODEL_OPTIONS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=4, seed=0)
 TRAIN_ROWS, TEST_ROWS, DIFFICULTY = 1000, 100, 1  # single-digit addition
+TOOL_CONFIG, TOOL_TRAIN_ROWS, TOOL_TEST_ROWS = "tools-tiny-cpu", 1000, 100  # the calculator task: a * b, single digits
 
 
 def prepare(cfg) -> None:
@@ -34,6 +35,21 @@ def prepare(cfg) -> None:
         if not path.exists():
             write_rows(make_arith_dataset(rows, seed=seed, difficulty=DIFFICULTY, split=split), path)
         print(f"data {split}: {path} ({rows} arithmetic prompts, difficulty {DIFFICULTY})")
+    prepare_tools()
+
+
+def prepare_tools(overrides=()) -> None:
+    """The calculator task's data (configs/tools-tiny-cpu.yaml's files, written once): products
+    of single digits in verl's tool-agent schema, each with its demonstration for the warm start."""
+    from configs.loader import load_config
+    from stages.data.tools import make_tool_arith_dataset, write_tool_rows
+
+    cfg = load_config(TOOL_CONFIG, list(overrides))
+    for key, rows, seed, split in (("train_files", TOOL_TRAIN_ROWS, 1, "train"), ("val_files", TOOL_TEST_ROWS, 2, "test")):
+        path = Path(cfg["data"][key])
+        if not path.exists():
+            write_tool_rows(make_tool_arith_dataset(rows, seed=seed, split=split), path)
+        print(f"data {split}: {path} ({rows} calculator prompts: a * b, {TOOL_CONFIG})")
 
 
 def rewards_by_step(cfg) -> list[tuple[int, float]]:
