@@ -51,16 +51,14 @@ def weights(store, experiment, step):
 
 
 def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(server, assets, tmp_path, capsys):  # noqa: F811
-    """Two 3-step runs at s=1 with one seed: identical weights, rollout rows sampled by versions
-    0, 0, 1, old log-probs from the current policy (the update's first forward), the overlap reported; a
-    run SIGKILLed in step 2's update (step 3's rollout running or done beside it), another in step
-    3's rollout (step 2's training beside it), each resumed, end with the same weights."""
+    """A 3-step run at s=1: rollout rows sampled by versions 0, 0, 1, old log-probs from the current
+    policy (the update's first forward), the overlap reported; two more runs with the same seed, one
+    SIGKILLed in step 2's update (step 3's rollout running or done beside it), the other in step 3's
+    rollout (step 2's training beside it), each resumed, end with the first run's weights bit for bit."""
     root = tmp_path / "runs"
     store = Store.from_config({"root": str(root)})
-    for name in ("a", "b"):
-        run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", name,
-                               *staleness_overrides(assets, root)])
-        assert run.returncode == 0, run.stdout[-4000:]
+    run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "a", *staleness_overrides(assets, root)])
+    assert run.returncode == 0, run.stdout[-4000:]
     layout = RunLayout(PROJECT, "a")
     versions = [sorted(set(read_file(store, layout, k, "rollout").column("policy_version").to_pylist()))
                 for k in (1, 2, 3)]
@@ -70,7 +68,6 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     assert read_manifest(store, layout, 3, "rollout")["extra"]["staleness"] == 1
     # one mini-batch, one epoch: the old log-probs (the current policy's) are the update's first forward
     assert "old_log_probs" in read_file(store, layout, 2, "update", "update/log_probs.parquet").column_names
-    assert weights(store, "a", 3) == weights(store, "b", 3)
     # one rank, the engine in its own process: the first update's DeepSpeed set-up was built in a
     # thread beside the first rollout (flows.train.in_process_prepare), so step 1 reused it
     assert read_file(store, layout, 1, "update", "update/metrics.json")["update/engine_reused"] is True
