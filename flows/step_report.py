@@ -82,8 +82,11 @@ def step_metrics(ctx, summaries: dict | None = None) -> dict:
     """verl-style metrics of a finished step: each stage's manifest metrics, update/metrics.json
     scalars, and timing_s/{stage} for stages that ran now."""
     metrics: dict = {}
+    committed = set()  # stages whose manifest was read: one committing in the background may land meanwhile
     for stage in STAGES:
         manifest = read_manifest(ctx.store, ctx.layout, ctx.step, stage) or {}
+        if manifest:
+            committed.add(stage)
         metrics.update(_scalars((manifest.get("extra") or {}).get("metrics") or {}))
     try:
         update = read_file(ctx.store, ctx.layout, ctx.step, "update", "update/metrics.json")
@@ -94,8 +97,9 @@ def step_metrics(ctx, summaries: dict | None = None) -> dict:
     for stage, summary in (summaries or {}).items():
         if stage not in STAGES:
             continue
-        if summary and not read_manifest(ctx.store, ctx.layout, ctx.step, stage):
-            metrics.update(_scalars(summary.get("metrics") or {}))  # committing in the background
+        if summary and stage not in committed:  # committing in the background: what was stored wins
+            for key, value in _scalars(summary.get("metrics") or {}).items():
+                metrics.setdefault(key, value)
         if summary and summary.get("seconds") is not None:
             metrics[f"timing_s/{stage}"] = summary["seconds"]
     return metrics

@@ -78,3 +78,41 @@ def test_the_console_line_is_short_and_the_full_set_is_logged_at_debug(capsys, c
         log_line(3, full), log_line(4, {"loss": 2.0})]
     assert short_line(5, {"critic/vf_loss": 0.25, "actor/reward_kl_penalty": 0.01}) == \
         "step:5 - actor/reward_kl_penalty:0.010 - critic/vf_loss:0.250"
+
+
+def test_a_steps_metrics_keep_the_update_committed_while_they_are_read(tmp_path, monkeypatch):
+    """The update commits in the background: its manifest and metrics.json may land between
+    step_metrics' reads. The update's numbers reach the step's metrics either way: from the
+    task's summary before the commit, from the store after, and when the commit lands after
+    metrics.json was found missing but before the summaries are read (a CI run once printed a
+    console line without actor/pg_loss that way)."""
+    from types import SimpleNamespace
+
+    from flows import step_report
+    from storage.artifacts import write_stage
+    from storage.layout import RunLayout
+    from storage.store import Store
+
+    store, layout = Store.from_config({"root": str(tmp_path)}), RunLayout("p", "e")
+    ctx = SimpleNamespace(store=store, layout=layout, step=1)
+    summary = {"update": {"seconds": 1.5, "metrics": {"actor/pg_loss": 0.25, "actor/grad_norm": 2.0}}}
+
+    def commit():
+        write_stage(store, layout, 1, "update", {"update/metrics.json": {"actor/pg_loss": 0.25, "actor/grad_norm": 2.0,
+                                                                         "timing/upload_s": 0.5},
+                                               "update/microbatches.parquet": b""},
+                    fingerprint="f", extra={"metrics": {"actor/pg_loss": 0.25}})
+
+    before = step_report.step_metrics(ctx, summary)  # not committed yet: the summary's numbers
+    assert before == {"actor/pg_loss": 0.25, "actor/grad_norm": 2.0, "timing_s/update": 1.5}
+    read_file = step_report.read_file
+
+    def read_then_commit(*args):  # metrics.json is not there yet; the commit lands right after
+        try:
+            return read_file(*args)
+        finally:
+            commit()
+    monkeypatch.setattr(step_report, "read_file", read_then_commit)
+    assert step_report.step_metrics(ctx, summary) == before  # the summary's numbers still
+    monkeypatch.setattr(step_report, "read_file", read_file)
+    assert step_report.step_metrics(ctx, summary) == {**before, "timing/upload_s": 0.5}  # committed: the store's
