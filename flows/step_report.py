@@ -5,7 +5,7 @@ version over steps), published off the step's critical path by the session's pub
 from __future__ import annotations
 
 from storage.artifacts import read_file, read_manifest
-from storage.layout import STAGES, RunLayout
+from storage.layout import STAGES, TURNS_FILE, RunLayout
 
 
 class _BackgroundPublisher:
@@ -188,16 +188,16 @@ def publish_step(ctx, summaries: dict) -> dict:
     return metrics
 
 
-TURNS = "rollout/turns.parquet"
-
-
 def tool_turn_lines(ctx) -> list[str]:
-    """A multi-turn step's tool use, from rollout/turns.parquet: assistant turns per trajectory,
+    """A multi-turn step's tool use, from its turns table: assistant turns per trajectory,
     and per tool its calls, errors and mean latency (none for a single-turn step)."""
+    from storage.query import step_turns
+
     manifest = read_manifest(ctx.store, ctx.layout, ctx.step, "rollout") or {}
-    if TURNS not in (manifest.get("files") or {}):
+    table = step_turns(ctx.store, ctx.layout, ctx.step, manifest)
+    if table is None:
         return []
-    t = read_file(ctx.store, ctx.layout, ctx.step, "rollout", TURNS).to_pydict()
+    t = table.to_pydict()
     rows = int(manifest.get("row_count") or len(set(t["row"])) or 1)
     assistant = sum(1 for role in t["role"] if role == "assistant")
     tools: dict = {}
@@ -208,7 +208,7 @@ def tool_turn_lines(ctx) -> list[str]:
             entry[1] += bool(error)
             entry[2] += float(latency or 0.0)
     lines = ["", f"tool turns: {assistant / rows:.2f} assistant turns and "
-                 f"{sum(e[0] for e in tools.values()) / rows:.2f} tool calls per trajectory ({TURNS})", "",
+                 f"{sum(e[0] for e in tools.values()) / rows:.2f} tool calls per trajectory ({TURNS_FILE})", "",
              "| tool | calls | errors | mean latency s |", "|---|---|---|---|"]
     lines += [f"| {tool} | {n} | {errors} | {latency / n:.4f} |" for tool, (n, errors, latency) in sorted(tools.items())]
     return lines

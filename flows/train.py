@@ -577,8 +577,7 @@ def start_fork_server(cfg: dict, plan: dict):
 
     if not zygote.wanted(cfg, plan):
         return None
-    ranks = plan["n_gpus"] > 1 and cfg["trainer"].get("launcher") != "deepspeed"
-    return zygote.Zygote.adopt() or zygote.Zygote.start(preload=zygote.PRELOAD if ranks else zygote.ENGINE_PRELOAD)
+    return zygote.Zygote.adopt() or zygote.Zygote.start(preload=zygote.preload(cfg, plan["n_gpus"]))
 
 
 def start_rank_pool(cfg: dict, plan: dict, spawner=None):

@@ -33,8 +33,9 @@ import time
 
 from stages.data.baseline_answers import ANSWERS as BASELINE
 from stages.data.baseline_answers import needs_baseline
-from stages.engines import EngineOptions, Sampling, derive_seed
+from stages.engines import EngineOptions, Sampling, derive_seed, in_own_process
 from storage.faults import maybe_fault
+from storage.layout import TURNS_FILE
 
 STAGE = "rollout"
 INPUTS = ()
@@ -44,7 +45,6 @@ CONFIG_KEYS = ("data", "actor_rollout_ref.model.path", "actor_rollout_ref.model.
 FILTER_KEYS = ("algorithm.filter_groups", "data.reward_fn_key", "custom_reward_function", "reward",
                "reward_model.reward_manager", "reward_model.overlong_buffer")
 ROLLOUT = "actor_rollout_ref.rollout"
-TURNS = "rollout/turns.parquet"  # multi-turn: one row per assistant turn and tool call
 
 
 def stage_fingerprint(ctx) -> str:
@@ -77,18 +77,18 @@ def stage_fingerprint(ctx) -> str:
 def _engine_options(ctx, model_dir, version: str | None = None) -> EngineOptions:
     """`version`: the weights version model_dir holds (ctx.rollout_version() for the step's own
     weights; None for the initial model). With trainer.staleness the engine runs in its own
-    process (the update trains beside it); rollout.cpu_affinity pins that process."""
+    process (the update trains beside it); rollout.cpu_affinity pins that process (in_own_process)."""
     plan_rollout = (ctx.plan or {}).get("rollout") or {}
     max_len = (ctx.plan or {}).get("max_seq_len") or (
         int(ctx.get("data.max_prompt_length")) + int(ctx.get("data.max_response_length")))
     device = "cuda" if str(ctx.get("trainer.device", "cpu")).startswith("cuda") else "cpu"
+    cpus = tuple(int(c) for c in ctx.get(f"{ROLLOUT}.cpu_affinity") or ())
     return EngineOptions(model_dir=model_dir, rollout=dict(ctx.get(ROLLOUT) or {}), device=device,
                          num_replicas=int(plan_rollout.get("num_replicas") or 1),
                          prompts_per_replica=plan_rollout.get("prompts_per_replica"),
                          max_model_len=int(max_len),
                          engine_seed=derive_seed(ctx.get("trainer.seed", 0), ctx.get(f"{ROLLOUT}.seed", 0) or 0),
-                         weights_version=version, own_process=ctx.staleness() > 0,
-                         cpus=tuple(int(c) for c in ctx.get(f"{ROLLOUT}.cpu_affinity") or ()))
+                         weights_version=version, own_process=in_own_process(ctx.staleness(), cpus), cpus=cpus)
 
 
 def rollout_engines(ctx):
@@ -409,7 +409,7 @@ def run(ctx) -> dict:
         turns = [] if multi_turn(ctx) else None
         columns, engine_timings = sample_prompts(ctx, batch.rows, sampling, model_dir, tokenizer, turns_out=turns)
         if turns is not None:
-            files[TURNS] = make_table("rollout_turns", {c: [t[c] for t in turns] for c in TURN_COLUMNS})
+            files[TURNS_FILE] = make_table("rollout_turns", {c: [t[c] for t in turns] for c in TURN_COLUMNS})
         positions = {"data_position": batch.next_position.to_dict(), "batch_position": batch.position.to_dict(),
                      "epoch": batch.epoch}
     t_gen = time.perf_counter()
@@ -446,8 +446,8 @@ def run(ctx) -> dict:
     }
     if baseline is not None:  # rollout/baseline.parquet: greedy answers, not training rows
         extra["baseline"] = baseline
-    if TURNS in files:
-        extra["multi_turn"] = multi_turn_summary(columns, files[TURNS], engine_timings)
+    if TURNS_FILE in files:
+        extra["multi_turn"] = multi_turn_summary(columns, files[TURNS_FILE], engine_timings)
         extra["metrics"].update({f"multi_turn/{k}": v for k, v in extra["multi_turn"].items()
                                  if isinstance(v, (int, float))})
     fingerprint = stage_fingerprint(ctx)

@@ -24,6 +24,8 @@ STAGE_FILES = {
     "update": ("update/metrics.json", "update/microbatches.parquet"),
     "warmstart": ("warmstart/metrics.json",),
 }
+# The rollout's optional file of a multi-turn step: one row per assistant turn and per tool call.
+TURNS_FILE = "rollout/turns.parquet"
 LOCK_NAME = "_lock.json"
 MAX_NAME = 128  # characters of a project or experiment name (file systems allow 255 per name)
 WEIGHTS_MANIFEST = "_manifest.json"

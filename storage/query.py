@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from storage.layout import TURNS_FILE
 from storage.schemas import SCHEMAS
 
 TABLES = ("rollout", "logprob", "reward", "advantage", "microbatches", "metrics", "candidates", "baseline", "turns")
@@ -112,17 +113,25 @@ def baseline_table(view, steps=None) -> pa.Table:
     return pa.concat_tables(parts, promote_options="permissive")
 
 
-def turns_table(view, steps=None) -> pa.Table:
-    """The multi-turn steps' turns (rollout/turns.parquet: step and the rollout row stored), with
-    experiment."""
-    from storage.artifacts import read_file
+def step_turns(store, layout, step: int, manifest: dict | None = None) -> pa.Table | None:
+    """The turns of one multi-turn step (layout.TURNS_FILE: one row per assistant turn and tool
+    call, in order), or None for a single-turn or uncommitted rollout. `manifest`: the rollout's,
+    when the caller has it."""
+    from storage.artifacts import read_file, read_manifest
 
-    name = "rollout/turns.parquet"
+    manifest = manifest if manifest is not None else read_manifest(store, layout, step, "rollout")
+    if not manifest or TURNS_FILE not in (manifest.get("files") or {}):
+        return None
+    return read_file(store, layout, step, "rollout", TURNS_FILE)
+
+
+def turns_table(view, steps=None) -> pa.Table:
+    """The multi-turn steps' turns (step and the rollout row stored), with experiment."""
     parts = []
     for step in (view.complete_steps(["rollout"]) if steps is None else steps):
         manifest = view.manifest(step, "rollout")
-        if manifest is not None and name in manifest.get("files", {}):
-            table = read_file(view.store, view.layout, step, "rollout", name)
+        table = step_turns(view.store, view.layout, step, manifest) if manifest is not None else None
+        if table is not None:
             parts.append(table.append_column("experiment", pa.array([view.layout.experiment] * table.num_rows, pa.string())))
     if not parts:
         fields = list(SCHEMAS["rollout_turns"].required)
@@ -221,13 +230,10 @@ def dump_rows(view, step: int) -> list:
 
 
 def _turns_by_row(view, step: int, n: int) -> list | None:
-    """Each trajectory's turns (rollout/turns.parquet, in order), or None for a single-turn step."""
-    from storage.artifacts import read_file
-
-    manifest = view.manifest(step, "rollout") or {}
-    if "rollout/turns.parquet" not in (manifest.get("files") or {}):
+    """Each trajectory's turns (in order), or None for a single-turn step."""
+    table = step_turns(view.store, view.layout, step, view.manifest(step, "rollout") or {})
+    if table is None:
         return None
-    table = read_file(view.store, view.layout, step, "rollout", "rollout/turns.parquet")
     columns = {f: table.column(f).to_pylist() for f in TURN_FIELDS + ("row",)}
     out: list = [[] for _ in range(n)]
     for i, row in enumerate(columns["row"]):

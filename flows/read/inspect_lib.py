@@ -107,16 +107,10 @@ def response_mask_of(view, step: int):
 
 
 def turns_table(view, step: int):
-    """rollout/turns.parquet of a multi-turn step (one row per assistant turn and tool call), else None."""
-    from storage.artifacts import read_file
+    """The turns of a multi-turn step (one row per assistant turn and tool call), else None."""
+    from storage.query import step_turns
 
-    manifest = view.manifest(step, "rollout")
-    if manifest is None or TURNS not in (manifest.get("files") or {}):
-        return None
-    return read_file(view.store, view.layout, step, "rollout", TURNS)
-
-
-TURNS = "rollout/turns.parquet"
+    return step_turns(view.store, view.layout, step, view.manifest(step, "rollout") or {})
 
 
 def multi_turn_metrics(view, step: int) -> dict | None:

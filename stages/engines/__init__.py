@@ -108,7 +108,7 @@ class EngineOptions:
     # the weights version the call must sample from (stages.training.handoff.version_id); None:
     # whatever model_dir holds (the initial model, a one-off call)
     weights_version: str | None = None
-    own_process: bool = False  # never in the calling process (trainer.staleness: the update trains there meanwhile)
+    own_process: bool = False  # never in the calling process (in_own_process: staleness or a pinned engine)
     cpus: tuple = ()  # CPU cores the engine's worker processes are pinned to (rollout.cpu_affinity; (): not pinned)
     timings: dict = field(default_factory=dict)
 
@@ -250,8 +250,15 @@ def make_spec(options: EngineOptions, engine: str, replica: int, num_replicas: i
     return EngineSpec(engine=engine, model_dir=str(options.model_dir), rollout=rollout,
                       device=options.device, max_model_len=int(options.max_model_len or 0),
                       replica=replica, num_replicas=num_replicas, threads=threads,
-                      seed=int(options.engine_seed), own_process=bool(options.own_process or options.cpus),
+                      seed=int(options.engine_seed), own_process=bool(options.own_process),
                       cpus=tuple(options.cpus))
+
+
+def in_own_process(staleness: int, cpu_affinity) -> bool:
+    """Whether the rollout engine never runs in the calling process, even an hf engine that would
+    stay there: pipelined steps (trainer.staleness > 0: the update trains in the flow's process
+    meanwhile) or a pinned engine (rollout.cpu_affinity)."""
+    return int(staleness or 0) > 0 or bool(cpu_affinity)
 
 
 def check_rows(prompt_ids: list[list[int]], row_seeds: list[int], model_dir) -> None:

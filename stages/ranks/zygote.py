@@ -50,21 +50,29 @@ HANDOVER_ENV = "STAGERL_FORK_SERVER"  # fd:server pid:owner pid (Zygote.hand_ove
 def wanted(cfg: dict, plan: dict) -> bool:
     """Whether a run forks CPU processes: ranks of a pool on this machine (no DeepSpeed launcher)
     or hf rollout workers (more than one replica, or one in its own process:
-    stages.rollout._engine_options), in local mode on the CPU, with orchestration.fork_server on."""
+    stages.engines.in_own_process), in local mode on the CPU, with orchestration.fork_server on."""
     if not _local_cpu(cfg):
         return False
-    ranks = plan["n_gpus"] > 1 and cfg["trainer"].get("launcher") != "deepspeed"
     workers = (cfg["actor_rollout_ref"]["rollout"]["name"] == "hf"
                and (int((plan.get("rollout") or {}).get("num_replicas") or 1) > 1 or hf_own_process(cfg)))
-    return bool(ranks or workers)
+    return bool(forks_ranks(cfg, plan["n_gpus"]) or workers)
+
+
+def forks_ranks(cfg: dict, world: int) -> bool:
+    """Ranks of a pool forked on this machine: two or more, not started by DeepSpeed's launcher."""
+    return world > 1 and cfg["trainer"].get("launcher") != "deepspeed"
+
+
+def preload(cfg: dict, world: int) -> tuple:
+    """What the fork server imports: the ranks' modules when it forks ranks, else the engine's."""
+    return PRELOAD if forks_ranks(cfg, world) else ENGINE_PRELOAD
 
 
 def hf_own_process(cfg: dict) -> bool:
-    """One hf engine in a worker process of its own (stages.rollout._engine_options): pipelined
-    steps (trainer.staleness > 0: the update trains in the flow's process meanwhile) or a pinned
-    engine (rollout.cpu_affinity)."""
-    rollout = cfg["actor_rollout_ref"]["rollout"]
-    return int(cfg["trainer"].get("staleness") or 0) > 0 or bool(rollout.get("cpu_affinity"))
+    """One hf engine in a worker process of its own (stages.engines.in_own_process)."""
+    from stages.engines import in_own_process
+
+    return in_own_process(cfg["trainer"].get("staleness"), cfg["actor_rollout_ref"]["rollout"].get("cpu_affinity"))
 
 
 def _local_cpu(cfg: dict) -> bool:
@@ -80,10 +88,10 @@ def prestart(cfg: dict) -> "Zygote | None":
     flow's session closed it)."""
     trainer = cfg["trainer"]
     hf_worker = cfg["actor_rollout_ref"]["rollout"]["name"] == "hf" and hf_own_process(cfg)
-    ranks = int(trainer["n_gpus_per_node"]) * int(trainer["nnodes"]) >= 2
-    if not _local_cpu(cfg) or not (ranks or hf_worker):
+    world = int(trainer["n_gpus_per_node"]) * int(trainer["nnodes"])
+    if not _local_cpu(cfg) or not (forks_ranks(cfg, world) or hf_worker):
         return None
-    server = Zygote.start(preload=PRELOAD if ranks else ENGINE_PRELOAD)
+    server = Zygote.start(preload=preload(cfg, world))
     server.hand_over()
     return server
 
