@@ -264,6 +264,14 @@ def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, 
             timings["notes"] = call.timings["notes"]
         return gens
 
+    stream_timings: dict = {}
+
+    def stream(add, row_sampling, first):
+        if not first and add:  # a later turn: tool calls ran (the resume tests kill here)
+            maybe_fault("rollout", "between_turns", ctx.step)
+        call = dataclasses.replace(options, prompts_per_replica=None, timings=stream_timings)
+        return engines.stream(engine, add, row_sampling, call, first)
+
     group_rows = max(1, int(ctx.get(f"{ROLLOUT}.hf_generate_batch_size") or 64)) * n
     template_kwargs = dict(ctx.get("data.apply_chat_template_kwargs") or {})
     if ctx.get("actor_rollout_ref.model.custom_chat_template"):
@@ -276,8 +284,12 @@ def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, 
     try:
         loop = AgentLoop(generate, tokenizer(), tools,
                          LoopSettings.from_rollout(dict(ctx.get(ROLLOUT) or {}), sampling.max_new_tokens),
-                         sampling, template_kwargs=template_kwargs)
+                         sampling, template_kwargs=template_kwargs,
+                         stream=stream if engines.streams(engine, options) else None)
         trajectories = loop.run(prompt_ids, agents, kwargs, keys, seed=base, group_rows=group_rows)
+        for key in ("engine_start_s", "load_weights_s", "started", "notes"):
+            if stream_timings.get(key):
+                timings[key] = stream_timings[key]
         tool_metrics = tools.metrics(reset=True) if tools is not None else {}
     finally:
         if owned:
@@ -482,6 +494,7 @@ def multi_turn_summary(columns: dict, turns, engine_timings: dict) -> dict:
            "response_tokens": tokens, "llm_tokens": masked, "tool_tokens": tokens - masked,
            "generate_s": loop.get("generate_s"), "tool_wait_s": loop.get("tool_wait_s"),
            "tool_s": loop.get("tool_s"), "engine_calls": loop.get("engine_calls"), "rounds": loop.get("rounds"),
+           "streamed": bool(loop.get("streamed")),
            "calls_by_tool": {}}
     for i in tool:
         name = t["tool"][i] or "?"

@@ -8,6 +8,7 @@ templated exactly as stages.engines.agent_loop does — and a final answer), wit
 assistant tokens only. Greedy decoding then replays it token for token."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -162,5 +163,30 @@ def scripted_generate(engine: ScriptedEngine, calls: list | None = None):
     return generate
 
 
-__all__ = ["Generation", "ScriptedEngine", "teach_tool_calls", "tool_row", "trajectories", "write_calc_config",
+class ScriptedStream:
+    """Engine.stream over a ScriptedEngine, for AgentLoop(stream=...): a request's turn is the
+    scripted engine's, sampled one token per engine step, all running requests in each step (a
+    continuous batch); a call runs steps until one request or more has ended. `log` records each
+    call's (rows added, rows ended, steps so far); `steps` counts the engine steps."""
+
+    def __init__(self, engine: ScriptedEngine):
+        self.engine, self.running, self.log, self.steps = engine, {}, [], 0
+
+    def __call__(self, add, sampling, first):
+        for row, ids, seed, max_new in add:
+            gen = self.engine.generate([ids], [seed], dataclasses.replace(sampling, max_new_tokens=max_new), 0, 0, {})[0]
+            self.running[row] = [len(gen.response_ids), gen]
+        ended = []
+        while self.running and not ended:
+            self.steps += 1
+            for row, entry in self.running.items():
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    ended.append(row)
+        done = [(row, self.running.pop(row)[1]) for row in sorted(ended)]
+        self.log.append(([a[0] for a in add], [row for row, _ in done], self.steps))
+        return done
+
+
+__all__ = ["Generation", "ScriptedEngine", "ScriptedStream", "teach_tool_calls", "tool_row", "trajectories", "write_calc_config",
            "write_tool_dataset", "scripted_generate"]

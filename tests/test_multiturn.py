@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _multiturn_setup import (ScriptedEngine, scripted_generate, teach_tool_calls, tool_row, trajectories,
+from _multiturn_setup import (ScriptedEngine, ScriptedStream, scripted_generate, teach_tool_calls, tool_row, trajectories,
                               write_calc_config, write_tool_dataset)
 from _rollout_setup import make_assets, make_ctx, rollout_bytes
 from configs.loader import load_config
@@ -211,6 +211,50 @@ def test_groups_do_not_wait_for_each_other_and_seeds_do_not_depend_on_timing(scr
     assert order == ["sleep", "call 1 2", "call 1 2", "call 1 2", "sleep"]   # group 1 ran all its turns meanwhile
     assert loop.stats["engine_calls"] == 5 and loop.stats["tool_wait_s"] > 0.5
     assert trajs[0].turns[-1].text == "#### slept<|im_end|>" and trajs[2].user_turns == 2
+
+
+def test_a_streamed_batch_never_waits_for_its_slowest_row(scripted, toolset):
+    """Engine.stream (vLLM's continuous batching): a row whose turn ends runs its tools and its next
+    turn joins the running batch at once. One row writes a long answer in one turn; the others
+    make two or three short calling turns and are done before it. The engine's steps are the most
+    tokens any one row sampled (rounds would pay each round's slowest row); the trajectories equal
+    the rounds' (same seeds, the same turns)."""
+    engine, tokenizer = scripted
+    long_answer = "#### " + " ".join(str(k) for k in range(60))
+
+    class Slow(ScriptedEngine):
+        def turn_text(self, conversation):
+            if conversation.split("<|im_start|>user\n")[1].startswith("slow"):
+                return long_answer
+            return super().turn_text(conversation)
+
+    slow = Slow()
+    slow.__dict__.update(engine.__dict__)
+    questions = ["slow", "call 1 2", "call 2 2", "plain"]
+    prompts = [_template_ids(tokenizer, [{"role": "user", "content": q}], True, {}) for q in questions]
+
+    def run(stream):
+        loop = AgentLoop(lambda rows, sampling, call_seed, row_seeds: slow.generate(rows, row_seeds, sampling, 0, call_seed, {}),
+                         tokenizer, toolset, LoopSettings(response_length=400, max_parallel_calls=2),
+                         Sampling(do_sample=False), stream=stream)
+        return loop, loop.run(prompts, ["tool_agent"] * 4, [{}] * 4, [f"s{i}-{stream is None}" for i in range(4)],
+                              seed=3, group_rows=4)
+
+    stream = ScriptedStream(slow)
+    loop, trajs = run(stream)
+    _, rounds = run(None)
+    for a, b in zip(trajs, rounds):
+        check_trajectory(a, tokenizer)
+        assert (a.response_ids, a.response_mask, [t.text for t in a.turns]) == \
+            (b.response_ids, b.response_mask, [t.text for t in b.turns])
+    sampled = [sum(a.response_mask) for a in trajs]
+    assert trajs[0].turns[-1].text == long_answer + "<|im_end|>" and [t.assistant_turns for t in trajs] == [1, 3, 2, 1]
+    assert sampled[0] > max(sampled[1:])                     # the slow row sampled the most
+    assert stream.steps == sampled[0]                           # and the batch took no step more
+    ended = [rows for _, rows, _ in stream.log]
+    assert ended[-1] == [0] and all(0 not in rows for rows in ended[:-1])   # the others ended before it
+    assert all(set(added) <= {1, 2} for added, _, _ in stream.log[1:])   # only the calling rows came back
+    assert loop.stats["streamed"] and loop.stats["engine_calls"] == len(stream.log) and loop.stats["rounds"] == 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +538,7 @@ def test_verls_multi_turn_command_line_loads_and_what_cannot_be_honoured_is_refu
 
 def test_vllm_in_a_run_session_gives_the_hf_trajectories(tmp_path, taught, assets):
     """The resident vLLM engine of a run (and the run's tool workers, RunSession.tools) runs the
-    same loop: greedy, its trajectories and turns equal the hf engine's."""
+    same loop, streamed (Engine.stream): greedy, its trajectories and turns equal the hf engine's."""
     from stages.session import RunSession
 
     model, train, config = taught
@@ -513,4 +557,6 @@ def test_vllm_in_a_run_session_gives_the_hf_trajectories(tmp_path, taught, asset
         assert a[key] == b[key], key
     ta, tb = (read_file(x.store, x.layout, 1, "rollout", "rollout/turns.parquet").to_pydict() for x in (hf, vllm))
     assert {k: v for k, v in ta.items() if k != "latency_s"} == {k: v for k, v in tb.items() if k != "latency_s"}
-    assert manifest["extra"]["engine"] == "vllm" and manifest["extra"]["multi_turn"]["engine_calls"] == 5
+    mt = manifest["extra"]["multi_turn"]   # one continuous batch (Engine.stream): a call ends one turn or more
+    assert manifest["extra"]["engine"] == "vllm" and mt["streamed"] and mt["rounds"] <= mt["engine_calls"]
+    assert mt["engine_calls"] <= sum(role == "assistant" for role in tb["role"])

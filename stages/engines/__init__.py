@@ -169,11 +169,15 @@ class Engine:
     start(spec)          load the model of spec.model_dir and get ready (the slow part: once per run)
     load_weights(dir)    take new weights of the same architecture in place (every step)
     generate(rows, seeds, sampling, replica, step_seed, rollout) -> [Generation]
+    stream(add, sampling) -> [(key, Generation)]   optional (STREAMS): continuous batching across
+                         requests added at any call: add [(key, prompt ids, seed, max new tokens)],
+                         run the engine until one request or more has finished, return those
     sleep() / wake()     free / retake device memory between steps (GPU; a no-op elsewhere)
     stop()               release everything
     process_env(spec, env)  the worker process's environment (devices, cores)
     START_KEYS           rollout keys read by start(): a change needs a fresh engine"""
     START_KEYS: tuple = ()
+    STREAMS = False  # implements stream() (the multi-turn agent loop's continuous batching)
 
     @staticmethod
     def process_env(spec: "EngineSpec", env: dict) -> dict:

@@ -35,6 +35,13 @@ a group's tools run the engine generates the next turn of any other group whose 
 returned; a group waits only for its own rows' tools. With one group (a batch smaller than
 hf_generate_batch_size × n) generation and tools alternate.
 
+Streamed (an engine with Engine.stream: vLLM, one replica, in its worker process): the whole batch
+is one continuous batch. A row whose turn ends leaves it, its tools run, and its next turn joins
+the running batch, so no row waits for a round's slowest. Each engine call runs until one turn or
+more has ended and the engine waits at that step while those turns' tools answer: which rows share
+an engine step is a function of the tokens, never of timing. The seeds are the rounds' (seed, row,
+turn), so with vLLM's per-request seeds a row samples the same tokens either way.
+
     loop = AgentLoop(generate, tokenizer, tools, LoopSettings.from_rollout(rollout, response_length), sampling)
     trajectories = loop.run(prompt_ids, agents, tools_kwargs, keys, seed=..., group_rows=...)
 """
@@ -227,6 +234,8 @@ def correct_tool_use(turns: dict, ground_truths: Sequence[str]) -> float:
 
 # generate(rows of token ids, sampling, call seed, row seeds) -> one Generation per row
 GenerateFn = Callable[[list, Sampling, int, list], "list[Generation]"]
+# Engine.stream through the run's engines: (add [(row, ids, seed, max new tokens)], sampling, first) -> [(row, Generation)]
+StreamFn = Callable[[list, Sampling, bool], list]
 
 
 class AgentLoop:
@@ -235,10 +244,12 @@ class AgentLoop:
     and a custom chat_template)."""
 
     def __init__(self, generate: GenerateFn, tokenizer, tools, settings: LoopSettings, sampling: Sampling,
-                 template_kwargs: dict | None = None, tool_timeout_s: float | None = None):
+                 template_kwargs: dict | None = None, tool_timeout_s: float | None = None,
+                 stream: StreamFn | None = None):
         from stages.tools.parser import get_parser
 
         self.generate = generate
+        self.stream = stream
         self.tokenizer = tokenizer
         self.tools = tools
         self.settings = settings
@@ -248,7 +259,7 @@ class AgentLoop:
         self.system_prompt = system_prompt_ids(tokenizer, self.template_kwargs)
         self.tool_timeout_s = tool_timeout_s
         self.stats = {"engine_calls": 0, "generate_s": 0.0, "tool_wait_s": 0.0, "tool_calls": 0,
-                      "tool_s": 0.0, "rounds": 0, "tool_turns_cut": 0}
+                      "tool_s": 0.0, "rounds": 0, "tool_turns_cut": 0, "streamed": stream is not None}
 
     # ---- the batch --------------------------------------------------------------------------
     def run(self, prompt_ids: Sequence, agents: Sequence[str], tools_kwargs: Sequence, keys: Sequence[str],
@@ -269,6 +280,14 @@ class AgentLoop:
         waiting: dict[int, dict] = {}            # group -> {row: [futures]}
         created: set = set()
         t_run = time.perf_counter()
+        if self.stream is not None:
+            try:
+                self._run_streamed(trajs, tools_kwargs, keys, seed, created)
+            finally:
+                for row in created:
+                    self.tools.release(keys[row])
+            self.stats["wall_s"] = time.perf_counter() - t_run
+            return trajs
 
         def tools_returned(group: int) -> None:
             self._take_tools(trajs, waiting.pop(group))
@@ -320,36 +339,98 @@ class AgentLoop:
         self.stats["rounds"] = max(self.stats["rounds"], round_ + 1)
         out = {}
         for i, gen, budget in zip(rows, gens, budgets):
-            traj = trajs[i]
-            tokens, finish, lps = list(gen.response_ids), gen.finish_reason, gen.log_probs
-            if len(tokens) > budget:   # the response budget this row had left
-                tokens, finish = tokens[:budget], "length"
-                lps = None if lps is None else lps[:budget]
-            start = len(traj.response_ids)
-            traj.response_ids += tokens
-            traj.response_mask += [1] * len(tokens)
-            if traj.log_probs is not None:
-                traj.log_probs += list(lps or [])[:len(tokens)] + [0.0] * (len(tokens) - len(lps or []))
-            traj.assistant_turns += 1
-            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-            traj.turns.append(TurnRecord(turn=len(_distinct_turns(traj.turns)), role="assistant", start=start,
-                                         end=len(traj.response_ids), token_ids=tokens, text=text,
-                                         finish_reason=finish))
-            traj.finish_reason = finish
-            if len(traj.response_mask) >= s.response_length:
-                traj.finish_reason = "length"
-                traj.done = True
-            elif traj.agent_name != TOOL_AGENT or self.tools is None \
-                    or (s.max_assistant_turns and traj.assistant_turns >= s.max_assistant_turns) \
-                    or (s.max_user_turns and traj.user_turns >= s.max_user_turns):
-                traj.done = True
-            else:
-                _, calls = self.parse(text)
-                if calls:
-                    out[i] = calls[:s.max_parallel_calls]
-                else:
-                    traj.done = True
+            calls = self._end_turn(trajs[i], gen, budget)
+            if calls:
+                out[i] = calls
         return out
+
+    def _end_turn(self, traj: Trajectory, gen: Generation, budget: int) -> list | None:
+        """Append a sampled assistant turn to `traj`; returns the calls to run when it goes on to
+        a tool turn (None: the trajectory is done)."""
+        s = self.settings
+        tokens, finish, lps = list(gen.response_ids), gen.finish_reason, gen.log_probs
+        if len(tokens) > budget:   # the response budget this row had left
+            tokens, finish = tokens[:budget], "length"
+            lps = None if lps is None else lps[:budget]
+        start = len(traj.response_ids)
+        traj.response_ids += tokens
+        traj.response_mask += [1] * len(tokens)
+        if traj.log_probs is not None:
+            traj.log_probs += list(lps or [])[:len(tokens)] + [0.0] * (len(tokens) - len(lps or []))
+        traj.assistant_turns += 1
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        traj.turns.append(TurnRecord(turn=len(_distinct_turns(traj.turns)), role="assistant", start=start,
+                                     end=len(traj.response_ids), token_ids=tokens, text=text,
+                                     finish_reason=finish))
+        traj.finish_reason = finish
+        if len(traj.response_mask) >= s.response_length:
+            traj.finish_reason = "length"
+            traj.done = True
+        elif traj.agent_name != TOOL_AGENT or self.tools is None \
+                or (s.max_assistant_turns and traj.assistant_turns >= s.max_assistant_turns) \
+                or (s.max_user_turns and traj.user_turns >= s.max_user_turns):
+            traj.done = True
+        else:
+            _, calls = self.parse(text)
+            if calls:
+                return calls[:s.max_parallel_calls]
+            traj.done = True
+        return None
+
+    # ---- the whole batch in one engine stream (Engine.stream) -----------------------------------
+    def _run_streamed(self, trajs, tools_kwargs, keys, seed: int, created: set) -> None:
+        """Every row's turns through one continuous batch: a row whose turn ends leaves the
+        engine's batch, its tools run, and its next turn joins the batch on the next call, while
+        the other rows go on generating. The engine stops at each call's end (one or more turns
+        ended) until the tools of those turns have answered, so which rows share an engine step
+        is a function of the tokens, never of timing. Each turn samples with the seed (seed, row,
+        turn): the rounds' seeds."""
+        s = self.settings
+        sampling = dataclasses.replace(self.sampling, n=1)
+
+        def request(i: int) -> tuple:
+            traj = trajs[i]
+            return (i, traj.prompt_ids + traj.response_ids, derive_seed(seed, "row", i, traj.assistant_turns),
+                    s.response_length - len(traj.response_mask))
+
+        add, running = [request(i) for i in range(len(trajs))], len(trajs)
+        first = True
+        while running:
+            t0 = time.perf_counter()
+            ended = self.stream(add, sampling, first)
+            self.stats["generate_s"] += time.perf_counter() - t0
+            self.stats["engine_calls"] += 1
+            first, add = False, []
+            if not ended:
+                raise RuntimeError(f"the engine's stream ended with {running} trajectories unfinished")
+            calls = {}
+            for i, gen in ended:
+                traj = trajs[i]
+                row_calls = self._end_turn(traj, gen, s.response_length - len(traj.response_mask))
+                self.stats["rounds"] = max(self.stats["rounds"], traj.assistant_turns)
+                if row_calls:
+                    calls[i] = row_calls
+                else:
+                    running -= 1
+            if not calls:
+                continue
+            for row in calls:
+                if row not in created:
+                    self.tools.create(keys[row], tools_kwargs[row] or {})
+                    created.add(row)
+            futures = {row: [self.tools.submit(keys[row], call, self.tool_timeout_s) for call in row_calls]
+                       for row, row_calls in calls.items()}
+            t_wait = time.perf_counter()
+            for fs in futures.values():
+                for f in fs:
+                    f.result()
+            self.stats["tool_wait_s"] += time.perf_counter() - t_wait
+            self._take_tools(trajs, {"calls": calls, "futures": futures})
+            for row in calls:
+                if trajs[row].done:
+                    running -= 1
+                else:
+                    add.append(request(row))
 
     # ---- the tool turn of a group -------------------------------------------------------------
     def _take_tools(self, trajs, pending: dict) -> None:

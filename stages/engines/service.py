@@ -111,6 +111,31 @@ class RolloutEngines:
         options.timings.update(timings)
         return results
 
+    def streams(self, engine: str, options: EngineOptions) -> bool:
+        """Whether the agent loop can batch continuously across turns (Engine.stream): an engine
+        that streams, one replica, in a resident worker process."""
+        return (self.resident and engine_class(engine).STREAMS and max(1, options.num_replicas) == 1
+                and not (engine == "hf" and in_process_resident([make_spec(options, engine, 0, 1)])))
+
+    def stream(self, engine: str, add: list, sampling: Sampling, options: EngineOptions, first: bool) -> list:
+        """One Engine.stream request to the replica's worker (`first`: a new batch; the worker is
+        started and given the weights first): [(key, Generation)] of the requests that finished.
+        options.timings gets engine_start_s, load_weights_s and generate_s (summed over the calls).
+        A worker that dies mid-batch is not restarted here: the stage fails and a resume reruns it."""
+        timings = options.timings
+        for key in ("engine_start_s", "load_weights_s", "generate_s"):
+            timings.setdefault(key, 0.0)
+        timings.setdefault("started", 0)
+        spec = self.slot_spec(make_spec(options, engine, 0, 1))
+        if first:
+            check_rows([ids for _, ids, _, _ in add], [seed for _, _, seed, _ in add], options.model_dir)
+            self._launch(spec)
+            self._settle(spec, timings, spec.model_dir, options.weights_version)
+            add = [(None, None, None, None), *add]
+        reply = self.workers[spec.replica].call("stream", {"add": add, "sampling": dict(sampling.__dict__)})
+        timings["generate_s"] += reply["generate_s"]
+        return [(key, Generation(list(ids), reason, lps)) for key, ids, reason, lps in reply["rows"]]
+
     @staticmethod
     def slot_spec(spec):
         """The spec of the worker process serving a replica: each replica has its own process

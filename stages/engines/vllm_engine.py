@@ -164,6 +164,7 @@ class VLLMEngine(Engine):
                   "free_cache_engine")
 
     process_env = staticmethod(replica_env)
+    STREAMS = True
 
     def __init__(self):
         self.llm = None
@@ -172,6 +173,8 @@ class VLLMEngine(Engine):
         self.asleep = False
         self.sleep_mode = False
         self.notes: list[str] = []
+        self._streaming: dict = {}  # request id -> (key, max new tokens) of stream()'s unfinished requests
+        self._count = 0
 
     def start(self, spec: EngineSpec) -> dict:
         t0 = time.perf_counter()
@@ -201,26 +204,67 @@ class VLLMEngine(Engine):
 
     def generate(self, prompt_ids, seeds, sampling: Sampling, replica: int, step_seed: int,
                  rollout: dict) -> list[Generation]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.wake()
-        greedy = sampling.greedy
-        params = [SamplingParams(
-            n=1, temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-            top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens,
-            seed=None if greedy else seed, stop_token_ids=self.eos_ids,
-            logprobs=0 if sampling.log_probs else None, detokenize=False) for seed in seeds]
+        if self._streaming:  # a streamed batch that failed left requests behind
+            self.llm.llm_engine.abort_request(list(self._streaming))
+            self._streaming = {}
+        params = [self._params(sampling, seed, sampling.max_new_tokens) for seed in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        gens = []
-        for out in outputs:
-            c = out.outputs[0]
-            log_probs = None
-            if sampling.log_probs:
-                log_probs = [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
-            gens.append(finish(list(c.token_ids), self.eos_ids, sampling.max_new_tokens, log_probs))
-        return gens
+        return [self._generation(out.outputs[0], sampling, sampling.max_new_tokens) for out in outputs]
+
+    def stream(self, add, sampling: Sampling) -> list:
+        """Continuous batching across the agent loop's turns (stages.engines.agent_loop): add the
+        requests `add` [(key, prompt ids, seed, max new tokens)], then step the engine until one
+        request or more has finished; returns [(key, Generation)] of those, in key order. A
+        request that ends its turn leaves the batch at once and its next turn joins the running
+        batch when the loop adds it, so no row waits for the slowest of a round. The engine core
+        runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): each step() is one scheduler
+        step, so which requests share a step is a function of the tokens and of the order the
+        requests were added, never of timing. `add` with key None first: a new batch (requests
+        left over from a batch that failed are dropped)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.wake()
+        engine = self.llm.llm_engine
+        if add and add[0][0] is None:
+            add = add[1:]
+            if engine.has_unfinished_requests():
+                engine.abort_request(list(self._streaming))
+            self._streaming = {}
+        for key, ids, seed, max_new in add:
+            params = self._params(sampling, seed, max_new)
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            self._count += 1
+            request_id = f"turn-{self._count}"
+            self._streaming[request_id] = (key, max_new)
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)), params)
+        done = []
+        while not done and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    key, max_new = self._streaming.pop(out.request_id)
+                    done.append((key, self._generation(out.outputs[0], sampling, max_new)))
+        return sorted(done, key=lambda item: item[0])
+
+    def _params(self, sampling: Sampling, seed, max_new: int):
+        from vllm import SamplingParams
+
+        greedy = sampling.greedy
+        return SamplingParams(
+            n=1, temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            top_k=-1 if greedy else sampling.top_k, max_tokens=max_new,
+            seed=None if greedy else seed, stop_token_ids=self.eos_ids,
+            logprobs=0 if sampling.log_probs else None, detokenize=False)
+
+    def _generation(self, c, sampling: Sampling, max_new: int) -> Generation:
+        log_probs = None
+        if sampling.log_probs:
+            log_probs = [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
+        return finish(list(c.token_ids), self.eos_ids, max_new, log_probs)
 
     def sleep(self) -> None:
         """Level 2 (weights and KV cache dropped): the next step loads new weights anyway."""

@@ -5,6 +5,7 @@
     worker.result()                         # waits for the reply (raises EngineError / WorkerDied)
     worker.call("load", model_dir)          # new weights in place
     worker.call("generate", {...})          # [(response_ids, finish_reason, log_probs)], timings
+    worker.call("stream", {...})            # Engine.stream: [(key, response_ids, finish_reason, log_probs)]
     worker.close()
 
 Messages are pickled (multiprocessing.connection over a socketpair passed as an inherited fd, so
@@ -158,6 +159,11 @@ def _handle(engine, op: str, arg):
         rows = [(g.response_ids, g.finish_reason, g.log_probs, text) for g, text in zip(gens, texts)]
         return engine, {"rows": rows, "generate_s": round(t1 - t0, 4),
                         "decode_s": round(time.perf_counter() - t1, 4)}
+    if op == "stream":  # the agent loop's continuous batching (Engine.stream)
+        t0 = time.perf_counter()
+        done = engine.stream(arg["add"], Sampling(**arg["sampling"]))
+        return engine, {"rows": [(key, g.response_ids, g.finish_reason, g.log_probs) for key, g in done],
+                        "generate_s": round(time.perf_counter() - t0, 4)}
     if op == "decode":
         return engine, _tokenizer(engine).batch_decode(arg["ids"], skip_special_tokens=arg["skip_special_tokens"])
     if op == "sleep":
@@ -205,8 +211,9 @@ def serve(fd: int) -> int:
         sys.stdout.flush()
         conn.send(reply)
         value = reply = None
-        gc.collect()
-        gc.freeze()
+        if op != "stream":  # a streamed batch answers many small requests: collected when it ends
+            gc.collect()
+            gc.freeze()
 
 
 def main(args: list) -> int:
