@@ -17,6 +17,8 @@ questions, cycled, verl's tool-agent schema):
 - `single`: agent_name single_turn_agent (one assistant turn, no tools; equal to the plain
   single-turn rollout, tests/test_multiturn.py). Its prompt count is scaled (after a calibration
   run of both on the same prompts) so that it samples about as many tokens as `multi` does.
+- `plain`: the `single` rows with multi_turn.enable=false: the plain single-turn rollout (no agent
+  loop, one engine call), the baseline a user compares with.
 
 Tokens counted: sampled (LLM) tokens only (the multi-turn rollout's tool-response tokens are
 not generated). Timed: the whole stage (wall_s: dataset, engine, loop, tools, parquet writes) and
@@ -46,37 +48,45 @@ ENGINE = "hf"
 SESSION = None  # --engine vllm: one RunSession, so the engine starts once (in the calibration run)
 
 
-def overrides(folder: Path, model: Path, train: Path, config: Path, name: str, n: int, seed: int, prompts: int) -> list:
+def overrides(folder: Path, model: Path, train: Path, config: Path, name: str, n: int, seed: int, prompts: int,
+              multi_turn: bool = True) -> list:
     return ["warmstart.enable=false", f"storage.root={folder / 'store'}", f"trainer.experiment_name={name}",
             f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={train}",
             f"trainer.seed={seed}", *ENGINES[ENGINE], "trainer.n_gpus_per_node=1",
-            f"{MT}.enable=true", f"{MT}.tool_config_path={config}", f"{MT}.max_parallel_calls=2",
+            f"{MT}.enable={str(multi_turn).lower()}", f"{MT}.tool_config_path={config}", f"{MT}.max_parallel_calls=2",
             "data.max_prompt_length=64", "data.max_response_length=320", "data.shuffle=false",
             "actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.rollout.n={n}",
             f"data.train_batch_size={prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]  # (the update does not run)
 
 
-def run_variant(folder, model, train, config, name, n, seed, prompts) -> dict:
+def run_variant(folder, model, train, config, name, n, seed, prompts, multi_turn: bool = True) -> dict:
     from configs.loader import load_config
     from configs.suggest import make_plan
     from stages import rollout
     from stages.context import StageContext
 
-    cfg = load_config("tiny-cpu", overrides(folder, model, train, config, name, n, seed, prompts))
+    cfg = load_config("tiny-cpu", overrides(folder, model, train, config, name, n, seed, prompts, multi_turn))
     ctx = StageContext.create(cfg, make_plan(cfg), 1)
     if SESSION is not None:
         ctx.session = SESSION
     t0 = time.perf_counter()
     manifest = rollout.run(ctx)
     wall = time.perf_counter() - t0
-    mt, timings = manifest["extra"]["multi_turn"], manifest["timings"]
+    timings = manifest["timings"]
+    if multi_turn:
+        mt = manifest["extra"]["multi_turn"]
+    else:  # the plain single-turn rollout: no agent loop, one engine call
+        from storage.artifacts import read_table
+
+        lengths = read_table(ctx.store, ctx.layout, 1, "rollout").column("response_length").to_pylist()
+        mt = {"llm_tokens": sum(lengths), "tool_tokens": 0, "tool_calls": 0, "num_turns_mean": 2.0}
     tokens = mt["llm_tokens"]
     return {"variant": name.split("-")[0], "prompts": prompts, "rows": manifest["row_count"], "n": n, "sampled_tokens": tokens,
             "tool_tokens": mt["tool_tokens"], "tool_calls": mt["tool_calls"], "num_turns_mean": mt["num_turns_mean"],
             "generate_s": round(timings["generate_s"], 3), "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 1), "tokens_per_s_generate": round(tokens / timings["generate_s"], 1),
-            "agent_loop": {k: mt.get(k) for k in ("engine_calls", "rounds", "tool_wait_s", "tool_s")}}
+            "agent_loop": {k: mt.get(k) for k in ("engine_calls", "rounds", "tool_wait_s", "tool_s", "streamed")}}
 
 
 def main() -> None:
@@ -132,13 +142,15 @@ def main() -> None:
         results["calibration"] = {"multi": multi, "single": single, "single_prompts": p_single}
         single_file = dataset("single_turn_agent", p_single)
         for r in range(args.repeats):
-            for variant, file, prompts in (("multi", multi_file, args.prompts), ("single", single_file, p_single)):
-                row = run_variant(folder / f"{variant}-{r}", model, file, config, f"{variant}-{r}", args.n, args.seed, prompts)
+            for variant, file, prompts in (("multi", multi_file, args.prompts), ("single", single_file, p_single),
+                                           ("plain", single_file, p_single)):
+                row = run_variant(folder / f"{variant}-{r}", model, file, config, f"{variant}-{r}", args.n, args.seed, prompts,
+                                  multi_turn=variant != "plain")
                 row["repeat"] = r
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)
     summary = {}
-    for variant in ("multi", "single"):
+    for variant in ("multi", "single", "plain"):
         rows = [r for r in results["runs"] if r["variant"] == variant]
         summary[variant] = {k: statistics.median(r[k] for r in rows)
                             for k in ("sampled_tokens", "wall_s", "generate_s", "tokens_per_s", "tokens_per_s_generate")}
@@ -147,6 +159,7 @@ def main() -> None:
     summary["ratio_tokens_per_s"] = round(summary["multi"]["tokens_per_s"] / summary["single"]["tokens_per_s"], 3)
     summary["ratio_tokens_per_s_generate"] = round(
         summary["multi"]["tokens_per_s_generate"] / summary["single"]["tokens_per_s_generate"], 3)
+    summary["ratio_tokens_per_s_vs_plain"] = round(summary["multi"]["tokens_per_s"] / summary["plain"]["tokens_per_s"], 3)
     results["summary"] = summary
     results["load_average_at_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
