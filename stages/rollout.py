@@ -266,11 +266,11 @@ def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, 
 
     stream_timings: dict = {}
 
-    def stream(add, row_sampling, first):
+    def stream(add, row_sampling, first, max_steps):
         if not first and add:  # a later turn: tool calls ran (the resume tests kill here)
             maybe_fault("rollout", "between_turns", ctx.step)
         call = dataclasses.replace(options, prompts_per_replica=None, timings=stream_timings)
-        return engines.stream(engine, add, row_sampling, call, first)
+        return engines.stream(engine, add, row_sampling, call, first, max_steps)
 
     group_rows = max(1, int(ctx.get(f"{ROLLOUT}.hf_generate_batch_size") or 64)) * n
     template_kwargs = dict(ctx.get("data.apply_chat_template_kwargs") or {})
@@ -494,7 +494,7 @@ def multi_turn_summary(columns: dict, turns, engine_timings: dict) -> dict:
            "response_tokens": tokens, "llm_tokens": masked, "tool_tokens": tokens - masked,
            "generate_s": loop.get("generate_s"), "tool_wait_s": loop.get("tool_wait_s"),
            "tool_s": loop.get("tool_s"), "engine_calls": loop.get("engine_calls"), "rounds": loop.get("rounds"),
-           "streamed": bool(loop.get("streamed")),
+           "streamed": bool(loop.get("streamed")), "engine_steps": loop.get("engine_steps"),
            "calls_by_tool": {}}
     for i in tool:
         name = t["tool"][i] or "?"

@@ -166,26 +166,27 @@ def scripted_generate(engine: ScriptedEngine, calls: list | None = None):
 class ScriptedStream:
     """Engine.stream over a ScriptedEngine, for AgentLoop(stream=...): a request's turn is the
     scripted engine's, sampled one token per engine step, all running requests in each step (a
-    continuous batch); a call runs steps until one request or more has ended. `log` records each
-    call's (rows added, rows ended, steps so far); `steps` counts the engine steps."""
+    continuous batch); a call runs steps until one request or more has ended, or for max_steps.
+    `log` records each call's (rows added, rows ended, steps so far); `steps` counts the steps."""
 
     def __init__(self, engine: ScriptedEngine):
         self.engine, self.running, self.log, self.steps = engine, {}, [], 0
 
-    def __call__(self, add, sampling, first):
+    def __call__(self, add, sampling, first, max_steps=None):
         for row, ids, seed, max_new in add:
             gen = self.engine.generate([ids], [seed], dataclasses.replace(sampling, max_new_tokens=max_new), 0, 0, {})[0]
             self.running[row] = [len(gen.response_ids), gen]
-        ended = []
-        while self.running and not ended:
+        ended, steps = [], 0
+        while self.running and not ended and (max_steps is None or steps < max_steps):
             self.steps += 1
+            steps += 1
             for row, entry in self.running.items():
                 entry[0] -= 1
                 if entry[0] <= 0:
                     ended.append(row)
         done = [(row, self.running.pop(row)[1]) for row in sorted(ended)]
         self.log.append(([a[0] for a in add], [row for row, _ in done], self.steps))
-        return done
+        return done, steps
 
 
 __all__ = ["Generation", "ScriptedEngine", "ScriptedStream", "teach_tool_calls", "tool_row", "trajectories", "write_calc_config",

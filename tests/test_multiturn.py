@@ -255,6 +255,54 @@ def test_a_streamed_batch_never_waits_for_its_slowest_row(scripted, toolset):
     assert ended[-1] == [0] and all(0 not in rows for rows in ended[:-1])   # the others ended before it
     assert all(set(added) <= {1, 2} for added, _, _ in stream.log[1:])   # only the calling rows came back
     assert loop.stats["streamed"] and loop.stats["engine_calls"] == len(stream.log) and loop.stats["rounds"] == 3
+    assert loop.stats["engine_steps"] == stream.steps
+
+
+def test_a_streamed_batch_generates_while_a_tool_runs_and_the_schedule_ignores_how_long(scripted, toolset):
+    """multi_turn.tool_overlap_steps = 6: while one row's tool sleeps, the other rows go on
+    generating for 6 engine steps, then the engine waits for it there. The sleeping row's next turn
+    joins at the same engine step whether its tool takes 0.01 s or 0.8 s: the calls, the rows each
+    added and ended, the steps and the trajectories are the same; only the time waited differs."""
+    engine, tokenizer = scripted
+
+    class Sleeper(ScriptedEngine):
+        seconds = "0.01"
+
+        def turn_text(self, conversation):
+            question = conversation.split("<|im_start|>user\n")[1]
+            if question.startswith("nap"):
+                return ('<tool_call>{"name": "sleep", "arguments": {"seconds": ' + self.seconds + '}}</tool_call>'
+                        if "<|im_start|>tool" not in conversation else "#### rested")
+            if question.startswith("slow"):
+                return "#### " + " ".join(str(k) for k in range(40))
+            return super().turn_text(conversation)
+
+    sleeper = Sleeper()
+    sleeper.__dict__.update(engine.__dict__)
+    questions = ["nap", "call 1 2", "slow", "call 2 2"]
+    prompts = [_template_ids(tokenizer, [{"role": "user", "content": q}], True, {}) for q in questions]
+
+    def run(seconds):
+        sleeper.seconds = seconds
+        stream = ScriptedStream(sleeper)
+        loop = AgentLoop(None, tokenizer, toolset, LoopSettings(response_length=400, max_parallel_calls=2, tool_overlap_steps=6),
+                         Sampling(do_sample=False), stream=stream)
+        trajs = loop.run(prompts, ["tool_agent"] * 4, [{}] * 4, [f"n{i}-{seconds}" for i in range(4)], seed=3, group_rows=4)
+        return stream, loop, trajs
+
+    fast, fast_loop, fast_trajs = run("0.01")
+    slow, slow_loop, slow_trajs = run("0.81")
+    assert [(added, ended) for added, ended, _ in fast.log] == [(added, ended) for added, ended, _ in slow.log]
+    assert [s for _, _, s in fast.log] == [s for _, _, s in slow.log] and fast.steps == slow.steps
+    for a, b in zip(fast_trajs, slow_trajs):
+        check_trajectory(b, tokenizer)
+        assert len(a.response_ids) == len(b.response_ids) and [t.role for t in a.turns] == [t.role for t in b.turns]
+    assert slow_trajs[0].turns[-1].text == "#### rested<|im_end|>" and slow_trajs[0].turns[1].text == "slept 0.81"
+    nap_ended = next(i for i, (_, ended, _) in enumerate(slow.log) if 0 in ended)
+    nap_back = next(i for i, (added, _, _) in enumerate(slow.log) if i > nap_ended and 0 in added)
+    assert slow.log[nap_back - 1][2] == slow.log[nap_ended][2] + 6   # it rejoined 6 steps after its turn ended
+    assert slow_loop.stats["tool_wait_s"] > 0.4 > fast_loop.stats["tool_wait_s"]
+    assert slow_loop.stats["engine_steps"] == slow.steps
 
 
 # ---------------------------------------------------------------------------------------------

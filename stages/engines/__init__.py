@@ -169,9 +169,10 @@ class Engine:
     start(spec)          load the model of spec.model_dir and get ready (the slow part: once per run)
     load_weights(dir)    take new weights of the same architecture in place (every step)
     generate(rows, seeds, sampling, replica, step_seed, rollout) -> [Generation]
-    stream(add, sampling) -> [(key, Generation)]   optional (STREAMS): continuous batching across
-                         requests added at any call: add [(key, prompt ids, seed, max new tokens)],
-                         run the engine until one request or more has finished, return those
+    stream(add, sampling, max_steps) -> ([(key, Generation)], steps)   optional (STREAMS): continuous
+                         batching across requests added at any call: add [(key, prompt ids, seed,
+                         max new tokens)], run the engine until one request or more has finished
+                         (or max_steps steps), return those and the steps taken
     sleep() / wake()     free / retake device memory between steps (GPU; a no-op elsewhere)
     stop()               release everything
     process_env(spec, env)  the worker process's environment (devices, cores)

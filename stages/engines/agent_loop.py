@@ -36,11 +36,12 @@ returned; a group waits only for its own rows' tools. With one group (a batch sm
 hf_generate_batch_size × n) generation and tools alternate.
 
 Streamed (an engine with Engine.stream: vLLM, one replica, in its worker process): the whole batch
-is one continuous batch. A row whose turn ends leaves it, its tools run, and its next turn joins
-the running batch, so no row waits for a round's slowest. Each engine call runs until one turn or
-more has ended and the engine waits at that step while those turns' tools answer: which rows share
-an engine step is a function of the tokens, never of timing. The seeds are the rounds' (seed, row,
-turn), so with vLLM's per-request seeds a row samples the same tokens either way.
+is one continuous batch. A row whose turn ends leaves it, its tools run while the other rows go on
+generating for multi_turn.tool_overlap_steps engine steps, and its next turn then joins the running
+batch, so no row waits for a round's slowest. The engine waits at that step for tools still running
+(with 0 steps, at once): which rows share an engine step is a function of the tokens, never of
+timing. The seeds are the rounds' (seed, row, turn), so with vLLM's per-request seeds a row samples
+the same tokens either way.
 
     loop = AgentLoop(generate, tokenizer, tools, LoopSettings.from_rollout(rollout, response_length), sampling)
     trajectories = loop.run(prompt_ids, agents, tools_kwargs, keys, seed=..., group_rows=...)
@@ -72,6 +73,7 @@ class LoopSettings:
     max_tool_response_length: int = 256
     tool_response_truncate_side: str = "middle"
     format: str = "hermes"
+    tool_overlap_steps: int = 0  # streamed: engine steps the other rows generate while a turn's tools run
 
     @classmethod
     def from_rollout(cls, rollout: dict, response_length: int) -> "LoopSettings":
@@ -82,7 +84,8 @@ class LoopSettings:
         return cls(response_length=int(response_length), max_assistant_turns=mt.get("max_assistant_turns"),
                    max_user_turns=mt.get("max_user_turns"), max_parallel_calls=int(mt.get("max_parallel_calls", 1)),
                    max_tool_response_length=int(mt.get("max_tool_response_length", 256)),
-                   tool_response_truncate_side=side, format=str(mt.get("format", "hermes")))
+                   tool_response_truncate_side=side, format=str(mt.get("format", "hermes")),
+                   tool_overlap_steps=int(mt.get("tool_overlap_steps") or 0))
 
 
 @dataclasses.dataclass
@@ -234,8 +237,9 @@ def correct_tool_use(turns: dict, ground_truths: Sequence[str]) -> float:
 
 # generate(rows of token ids, sampling, call seed, row seeds) -> one Generation per row
 GenerateFn = Callable[[list, Sampling, int, list], "list[Generation]"]
-# Engine.stream through the run's engines: (add [(row, ids, seed, max new tokens)], sampling, first) -> [(row, Generation)]
-StreamFn = Callable[[list, Sampling, bool], list]
+# Engine.stream through the run's engines: (add [(row, ids, seed, max new tokens)], sampling, first,
+# max engine steps or None) -> ([(row, Generation)] of the turns that ended, engine steps taken)
+StreamFn = Callable[[list, Sampling, bool, "int | None"], tuple]
 
 
 class AgentLoop:
@@ -380,11 +384,12 @@ class AgentLoop:
     # ---- the whole batch in one engine stream (Engine.stream) -----------------------------------
     def _run_streamed(self, trajs, tools_kwargs, keys, seed: int, created: set) -> None:
         """Every row's turns through one continuous batch: a row whose turn ends leaves the
-        engine's batch, its tools run, and its next turn joins the batch on the next call, while
-        the other rows go on generating. The engine stops at each call's end (one or more turns
-        ended) until the tools of those turns have answered, so which rows share an engine step
-        is a function of the tokens, never of timing. Each turn samples with the seed (seed, row,
-        turn): the rounds' seeds."""
+        engine's batch, its tools run while the other rows go on generating for
+        settings.tool_overlap_steps engine steps, and its next turn joins the batch after them
+        (the engine waits there for tools still running; at once when it has nothing else to
+        run). Every decision counts engine steps and ended turns, never seconds, so which rows
+        share an engine step is a function of the tokens. Each turn samples with the seed (seed,
+        row, turn): the rounds' seeds."""
         s = self.settings
         sampling = dataclasses.replace(self.sampling, n=1)
 
@@ -394,15 +399,18 @@ class AgentLoop:
                     s.response_length - len(traj.response_mask))
 
         add, running = [request(i) for i in range(len(trajs))], len(trajs)
-        first = True
+        in_engine, step, first = 0, 0, True
+        pending: deque = deque()  # (engine step its next turns join at, calls, futures), in order
         while running:
+            in_engine += len(add)
+            if not in_engine:
+                raise RuntimeError(f"the engine's stream has nothing to run with {running} trajectories unfinished")
+            limit = pending[0][0] - step if pending else None
             t0 = time.perf_counter()
-            ended = self.stream(add, sampling, first)
+            ended, steps = self.stream(add, sampling, first, limit)
             self.stats["generate_s"] += time.perf_counter() - t0
             self.stats["engine_calls"] += 1
-            first, add = False, []
-            if not ended:
-                raise RuntimeError(f"the engine's stream ended with {running} trajectories unfinished")
+            first, add, step, in_engine = False, [], step + steps, in_engine - len(ended)
             calls = {}
             for i, gen in ended:
                 traj = trajs[i]
@@ -412,25 +420,28 @@ class AgentLoop:
                     calls[i] = row_calls
                 else:
                     running -= 1
-            if not calls:
-                continue
-            for row in calls:
-                if row not in created:
-                    self.tools.create(keys[row], tools_kwargs[row] or {})
-                    created.add(row)
-            futures = {row: [self.tools.submit(keys[row], call, self.tool_timeout_s) for call in row_calls]
-                       for row, row_calls in calls.items()}
-            t_wait = time.perf_counter()
-            for fs in futures.values():
-                for f in fs:
-                    f.result()
-            self.stats["tool_wait_s"] += time.perf_counter() - t_wait
-            self._take_tools(trajs, {"calls": calls, "futures": futures})
-            for row in calls:
-                if trajs[row].done:
-                    running -= 1
-                else:
-                    add.append(request(row))
+            if calls:
+                for row in calls:
+                    if row not in created:
+                        self.tools.create(keys[row], tools_kwargs[row] or {})
+                        created.add(row)
+                futures = {row: [self.tools.submit(keys[row], call, self.tool_timeout_s) for call in row_calls]
+                           for row, row_calls in calls.items()}
+                pending.append((step + s.tool_overlap_steps, calls, futures))
+            while pending and (pending[0][0] <= step or not in_engine):
+                _, calls, futures = pending.popleft()
+                t_wait = time.perf_counter()
+                for fs in futures.values():
+                    for f in fs:
+                        f.result()
+                self.stats["tool_wait_s"] += time.perf_counter() - t_wait
+                self._take_tools(trajs, {"calls": calls, "futures": futures})
+                for row in calls:
+                    if trajs[row].done:
+                        running -= 1
+                    else:
+                        add.append(request(row))
+        self.stats["engine_steps"] = step
 
     # ---- the tool turn of a group -------------------------------------------------------------
     def _take_tools(self, trajs, pending: dict) -> None:

@@ -117,9 +117,11 @@ class RolloutEngines:
         return (self.resident and engine_class(engine).STREAMS and max(1, options.num_replicas) == 1
                 and not (engine == "hf" and in_process_resident([make_spec(options, engine, 0, 1)])))
 
-    def stream(self, engine: str, add: list, sampling: Sampling, options: EngineOptions, first: bool) -> list:
+    def stream(self, engine: str, add: list, sampling: Sampling, options: EngineOptions, first: bool,
+               max_steps: int | None = None) -> tuple[list, int]:
         """One Engine.stream request to the replica's worker (`first`: a new batch; the worker is
-        started and given the weights first): [(key, Generation)] of the requests that finished.
+        started and given the weights first): ([(key, Generation)] of the requests that finished,
+        the engine steps taken).
         options.timings gets engine_start_s, load_weights_s and generate_s (summed over the calls).
         A worker that dies mid-batch is not restarted here: the stage fails and a resume reruns it."""
         timings = options.timings
@@ -132,9 +134,10 @@ class RolloutEngines:
             self._launch(spec)
             self._settle(spec, timings, spec.model_dir, options.weights_version)
             add = [(None, None, None, None), *add]
-        reply = self.workers[spec.replica].call("stream", {"add": add, "sampling": dict(sampling.__dict__)})
+        reply = self.workers[spec.replica].call("stream", {"add": add, "sampling": dict(sampling.__dict__),
+                                                           "max_steps": max_steps})
         timings["generate_s"] += reply["generate_s"]
-        return [(key, Generation(list(ids), reason, lps)) for key, ids, reason, lps in reply["rows"]]
+        return [(key, Generation(list(ids), reason, lps)) for key, ids, reason, lps in reply["rows"]], reply["steps"]
 
     @staticmethod
     def slot_spec(spec):

@@ -215,10 +215,11 @@ class VLLMEngine(Engine):
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [self._generation(out.outputs[0], sampling, sampling.max_new_tokens) for out in outputs]
 
-    def stream(self, add, sampling: Sampling) -> list:
+    def stream(self, add, sampling: Sampling, max_steps: int | None = None) -> tuple[list, int]:
         """Continuous batching across the agent loop's turns (stages.engines.agent_loop): add the
         requests `add` [(key, prompt ids, seed, max new tokens)], then step the engine until one
-        request or more has finished; returns [(key, Generation)] of those, in key order. A
+        request or more has finished, or for max_steps steps; returns ([(key, Generation)] of
+        those, in key order, the steps taken). A
         request that ends its turn leaves the batch at once and its next turn joins the running
         batch when the loop adds it, so no row waits for the slowest of a round. The engine core
         runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): each step() is one scheduler
@@ -242,13 +243,14 @@ class VLLMEngine(Engine):
             request_id = f"turn-{self._count}"
             self._streaming[request_id] = (key, max_new)
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)), params)
-        done = []
-        while not done and engine.has_unfinished_requests():
+        done, steps = [], 0
+        while not done and engine.has_unfinished_requests() and (max_steps is None or steps < max_steps):
+            steps += 1
             for out in engine.step():
                 if out.finished:
                     key, max_new = self._streaming.pop(out.request_id)
                     done.append((key, self._generation(out.outputs[0], sampling, max_new)))
-        return sorted(done, key=lambda item: item[0])
+        return sorted(done, key=lambda item: item[0]), steps
 
     def _params(self, sampling: Sampling, seed, max_new: int):
         from vllm import SamplingParams

@@ -5,7 +5,7 @@
     worker.result()                         # waits for the reply (raises EngineError / WorkerDied)
     worker.call("load", model_dir)          # new weights in place
     worker.call("generate", {...})          # [(response_ids, finish_reason, log_probs)], timings
-    worker.call("stream", {...})            # Engine.stream: [(key, response_ids, finish_reason, log_probs)]
+    worker.call("stream", {...})            # Engine.stream: [(key, response_ids, finish_reason, log_probs)], steps
     worker.close()
 
 Messages are pickled (multiprocessing.connection over a socketpair passed as an inherited fd, so
@@ -161,9 +161,9 @@ def _handle(engine, op: str, arg):
                         "decode_s": round(time.perf_counter() - t1, 4)}
     if op == "stream":  # the agent loop's continuous batching (Engine.stream)
         t0 = time.perf_counter()
-        done = engine.stream(arg["add"], Sampling(**arg["sampling"]))
+        done, steps = engine.stream(arg["add"], Sampling(**arg["sampling"]), arg.get("max_steps"))
         return engine, {"rows": [(key, g.response_ids, g.finish_reason, g.log_probs) for key, g in done],
-                        "generate_s": round(time.perf_counter() - t0, 4)}
+                        "steps": steps, "generate_s": round(time.perf_counter() - t0, 4)}
     if op == "decode":
         return engine, _tokenizer(engine).batch_decode(arg["ids"], skip_special_tokens=arg["skip_special_tokens"])
     if op == "sleep":
