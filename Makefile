@@ -35,7 +35,7 @@ install: $(STAMP) $(DS_OP)
 # runs stay in one worker; most tests wait on subprocesses, so 2 workers fit this 2-core machine.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: install
 	$(PY) -m flows.demo

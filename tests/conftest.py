@@ -12,8 +12,20 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(__import__("pathlib").Path(__f
                                                   / ".cache" / "torch_extensions"))
 
 
+# The longest files, longest first (seconds each took in a CI rehearsal on the 2-core machine,
+# 2026-12-05: test_readme ~490, test_flows ~490, test_staleness ~250, test_rank_pool ~185, ...).
+# `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each worker takes the next file in
+# collection order, so the long files start first and the short ones fill in at the end (xdist's
+# own reorder, by number of tests, started the one-test README file last: a tail of ~8 minutes).
+LONGEST_FIRST = ("test_readme.py", "test_flows.py", "test_staleness.py", "test_rank_pool.py", "test_logprob.py",
+                 "test_fork.py", "test_prefect_disk_full.py", "test_shipped_configs.py", "test_policy_losses.py",
+                 "test_readme_parts.py", "test_multiturn.py", "test_rollout_correction.py", "test_metric_sinks.py",
+                 "test_engines_vllm.py", "test_scratch.py", "test_flow_retry.py", "test_cluster_parts.py",
+                 "test_multiturn_resume.py", "test_update.py", "test_launch_deepspeed.py", "test_zygote.py",
+                 "test_extend.py", "test_deepspeed_ops.py", "test_s3_outage.py", "test_inspect.py")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """tests/test_readme.py (the whole README in order: a 3-step demo, the tour's runs, forks and
-    its Prefect deployment in subprocesses, the longest file) first, so that with `-n 2 --dist
-    loadfile` it runs beside other files instead of alone at the end of the suite."""
-    items.sort(key=lambda item: 0 if item.path.name == "test_readme.py" else 1)
+    """The files in LONGEST_FIRST order, then the others (in their own order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
