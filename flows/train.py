@@ -433,6 +433,7 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
         remote.pop("logprob")
     run_task = stage_task.with_options(**retry_options(cfg))
     publisher = step_report.background_publisher(run.session)
+    restore_threads = training_threads_beside_engine(cfg, run.open()[1])
     ahead: dict = {}  # step -> {"rollout": future, "reward": future}
     submitted = 0  # the last step whose rollout chain is submitted
     trained: dict = {}  # step -> (start, end) of its trainer chain (wall clock)
@@ -499,7 +500,26 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
     except BaseException:
         drain()  # no rollout left sampling while the run closes its engines
         raise
+    finally:
+        restore_threads()
     return done, ran, last
+
+
+def training_threads_beside_engine(cfg: dict, plan: dict):
+    """Pipelined steps at one rank on the CPU, the engine unpinned: the update trains in this
+    process while the engine samples in its own, so this process's torch threads take the
+    training's share of the cores (stages.engines.split_cores; the engine takes the other).
+    Returns what puts the thread count back."""
+    from stages.engines import available_cores, split_cores
+
+    rollout = cfg["actor_rollout_ref"]["rollout"]
+    if plan["n_gpus"] != 1 or str(cfg["trainer"]["device"]) != "cpu" or rollout.get("cpu_affinity"):
+        return lambda: None
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(before, split_cores(available_cores())[1]))
+    return lambda: torch.set_num_threads(before)
 
 
 def chain_overlap(summaries: dict, trained: tuple | None, step: int, staleness: int) -> dict | None:

@@ -50,6 +50,38 @@ def weights(store, experiment, step):
     return folder_manifest(store, RunLayout(PROJECT, experiment).weights(step))["checksum"]
 
 
+def test_the_engine_and_the_training_share_the_cores_when_they_overlap():
+    """At staleness > 0 the engine samples while the update trains: unpinned, each takes half the
+    cores (never more busy threads than cores), the engine in its own process and the one-rank
+    update in the flow's; pinned (rollout.cpu_affinity), the engine takes its cores and this
+    process is left alone; at staleness 0 the engine has every core."""
+    import torch
+
+    from flows.train import training_threads_beside_engine
+    from stages.engines import EngineOptions, available_cores, in_own_process, make_spec, split_cores
+
+    assert [split_cores(c) for c in (1, 2, 3, 8)] == [(1, 1), (1, 1), (1, 2), (4, 4)]
+    cores = available_cores()
+    spec = lambda **kw: make_spec(EngineOptions(model_dir="m", rollout={}, **kw), "hf", 0, 1)
+    assert spec(own_process=in_own_process(1, None)).threads == split_cores(cores)[0]
+    assert spec(own_process=in_own_process(1, [0]), cpus=(0,)).threads == 1
+    assert spec(own_process=in_own_process(0, None)).threads == cores
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        cfg = load_config("tiny-cpu", ["trainer.staleness=1"])
+        restore = training_threads_beside_engine(cfg, {"n_gpus": 1})
+        assert torch.get_num_threads() == min(8, split_cores(cores)[1])
+        restore()
+        assert torch.get_num_threads() == 8
+        pinned = load_config("tiny-cpu", ["trainer.staleness=1", "actor_rollout_ref.rollout.cpu_affinity=[0]"])
+        training_threads_beside_engine(pinned, {"n_gpus": 1})
+        training_threads_beside_engine(cfg, {"n_gpus": 2})   # the ranks are processes of their own
+        assert torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(server, assets, tmp_path, capsys):  # noqa: F811
     """A 3-step run at s=1: rollout rows sampled by versions 0, 0, 1, old log-probs from the current
     policy (the update's first forward), the overlap reported; two more runs with the same seed, one

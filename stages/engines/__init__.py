@@ -248,15 +248,33 @@ def make_spec(options: EngineOptions, engine: str, replica: int, num_replicas: i
     keys = engine_class(engine).START_KEYS
     rollout = tuple(sorted((k, options.rollout.get(k)) for k in keys))
     tp = int(options.rollout.get("tensor_model_parallel_size") or 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     if options.cpus:  # pinned: the replicas share these cores
         cores = len(options.cpus)
+    elif options.own_process:  # beside the training (trainer.staleness), unpinned: its share of the cores
+        cores = split_cores(cores)[0]
     threads = int(os.environ.get("STAGERL_ENGINE_THREADS") or 0) or max(1, cores // max(1, num_replicas * (tp if engine == "vllm" else 1)))
     return EngineSpec(engine=engine, model_dir=str(options.model_dir), rollout=rollout,
                       device=options.device, max_model_len=int(options.max_model_len or 0),
                       replica=replica, num_replicas=num_replicas, threads=threads,
                       seed=int(options.engine_seed), own_process=bool(options.own_process),
                       cpus=tuple(options.cpus))
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def split_cores(cores: int) -> tuple[int, int]:
+    """(the engine's threads, the training's threads) when the rollout engine samples while the
+    update trains (trainer.staleness > 0) on the same unpinned cores: half each, so the two never
+    run more busy threads than there are cores (on 2 cores 2 + 2 threads made the pipelined step
+    3x slower than the sequential one: OpenMP threads spinning against each other)."""
+    engine = max(1, cores // 2)
+    return engine, max(1, cores - engine)
 
 
 def in_own_process(staleness: int, cpu_affinity) -> bool:
