@@ -110,9 +110,9 @@ def update_engine(cfg, plan: dict) -> dict:
     name = (f"DeepSpeed ZeRO-{stage}, {dtype}" + (" (fp32 master weights)" if dtype == "bf16" else "")
             + f", torch AdamW, {world} rank{'s' if world > 1 else ''}")
     if world == 1:
-        why = (f"at one rank ZeRO shards nothing; its bookkeeping is kept (the same engine and train state "
-               f"at any world size) as it costs nothing measurable: bench/update_profile.py, ZeRO-0 and "
-               f"ZeRO-2 within noise and within 1.1x a plain PyTorch loop of the same math")
+        why = ("at one rank ZeRO shards nothing; its bookkeeping is kept (the same engine and train state "
+               "at any world size) as it costs nothing measurable: bench/update_profile.py, ZeRO-0 and "
+               "ZeRO-2 within noise and within 1.1x a plain PyTorch loop of the same math")
     else:
         why = f"ZeRO-{stage} shards the {shards[stage]} over the {world} ranks (actor_rollout_ref.actor.deepspeed.zero_stage)"
     return {"engine": name, "zero_stage": stage, "dtype": dtype, "world": world, "why": why}
