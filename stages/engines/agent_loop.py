@@ -313,12 +313,7 @@ class AgentLoop:
                 calls = self._assistant_turn(trajs, rows, seed, group, rounds[group]) if rows else {}
                 if not calls:   # every row of the group is done
                     continue
-                for row in calls:
-                    if row not in created:
-                        self.tools.create(keys[row], tools_kwargs[row] or {})
-                        created.add(row)
-                futures = {row: [self.tools.submit(keys[row], call, self.tool_timeout_s) for call in row_calls]
-                           for row, row_calls in calls.items()}
+                futures = self._submit_tools(calls, keys, tools_kwargs, created)
                 waiting[group] = {"calls": calls, "futures": futures}
                 _when_all([f for fs in futures.values() for f in fs], lambda g=group: returned.put(g))
         finally:
@@ -421,13 +416,8 @@ class AgentLoop:
                 else:
                     running -= 1
             if calls:
-                for row in calls:
-                    if row not in created:
-                        self.tools.create(keys[row], tools_kwargs[row] or {})
-                        created.add(row)
-                futures = {row: [self.tools.submit(keys[row], call, self.tool_timeout_s) for call in row_calls]
-                           for row, row_calls in calls.items()}
-                pending.append((step + s.tool_overlap_steps, calls, futures))
+                pending.append((step + s.tool_overlap_steps, calls,
+                                 self._submit_tools(calls, keys, tools_kwargs, created)))
             while pending and (pending[0][0] <= step or not in_engine):
                 _, calls, futures = pending.popleft()
                 t_wait = time.perf_counter()
@@ -442,6 +432,16 @@ class AgentLoop:
                     else:
                         add.append(request(row))
         self.stats["engine_steps"] = step
+
+    def _submit_tools(self, calls: dict, keys, tools_kwargs, created: set) -> dict:
+        """Start the tool calls of {row: calls} (a row's tool instances are created at its first
+        call); returns {row: [futures]}."""
+        for row in calls:
+            if row not in created:
+                self.tools.create(keys[row], tools_kwargs[row] or {})
+                created.add(row)
+        return {row: [self.tools.submit(keys[row], call, self.tool_timeout_s) for call in row_calls]
+                for row, row_calls in calls.items()}
 
     # ---- the tool turn of a group -------------------------------------------------------------
     def _take_tools(self, trajs, pending: dict) -> None:
