@@ -133,9 +133,8 @@ class RolloutEngines:
             check_rows([ids for _, ids, _, _ in add], [seed for _, _, seed, _ in add], options.model_dir)
             self._launch(spec)
             self._settle(spec, timings, spec.model_dir, options.weights_version)
-            add = [(None, None, None, None), *add]
         reply = self.workers[spec.replica].call("stream", {"add": add, "sampling": dict(sampling.__dict__),
-                                                           "max_steps": max_steps})
+                                                           "max_steps": max_steps, "new_batch": first})
         timings["generate_s"] += reply["generate_s"]
         return [(key, Generation(list(ids), reason, lps)) for key, ids, reason, lps in reply["rows"]], reply["steps"]
 

@@ -215,7 +215,7 @@ class VLLMEngine(Engine):
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [self._generation(out.outputs[0], sampling, sampling.max_new_tokens) for out in outputs]
 
-    def stream(self, add, sampling: Sampling, max_steps: int | None = None) -> tuple[list, int]:
+    def stream(self, add, sampling: Sampling, max_steps: int | None = None, new_batch: bool = False) -> tuple[list, int]:
         """Continuous batching across the agent loop's turns (stages.engines.agent_loop): add the
         requests `add` [(key, prompt ids, seed, max new tokens)], then step the engine until one
         request or more has finished, or for max_steps steps; returns ([(key, Generation)] of
@@ -224,15 +224,14 @@ class VLLMEngine(Engine):
         batch when the loop adds it, so no row waits for the slowest of a round. The engine core
         runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): each step() is one scheduler
         step, so which requests share a step is a function of the tokens and of the order the
-        requests were added, never of timing. `add` with key None first: a new batch (requests
-        left over from a batch that failed are dropped)."""
+        requests were added, never of timing. `new_batch`: requests left over from a batch that
+        failed are dropped first."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         self.wake()
         engine = self.llm.llm_engine
-        if add and add[0][0] is None:
-            add = add[1:]
+        if new_batch:
             if engine.has_unfinished_requests():
                 engine.abort_request(list(self._streaming))
             self._streaming = {}

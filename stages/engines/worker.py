@@ -161,7 +161,8 @@ def _handle(engine, op: str, arg):
                         "decode_s": round(time.perf_counter() - t1, 4)}
     if op == "stream":  # the agent loop's continuous batching (Engine.stream)
         t0 = time.perf_counter()
-        done, steps = engine.stream(arg["add"], Sampling(**arg["sampling"]), arg.get("max_steps"))
+        done, steps = engine.stream(arg["add"], Sampling(**arg["sampling"]), arg.get("max_steps"),
+                                    bool(arg.get("new_batch")))
         return engine, {"rows": [(key, g.response_ids, g.finish_reason, g.log_probs) for key, g in done],
                         "steps": steps, "generate_s": round(time.perf_counter() - t0, 4)}
     if op == "decode":
