@@ -223,6 +223,11 @@ def _check_value(path: str, value: Any, warnings: list[str], raw_value: Any = No
     spec = schema.specs.get(path)
     if spec is None:
         return value  # inside a free-form dict
+    if value == "" and spec.types == (bool,):
+        # `key=` (a shell variable that was never set, as in some of verl's scripts): Hydra reads
+        # the empty string, which verl's configs take as false
+        warnings.append(f"{path}= (an empty value) is read as false, as verl reads it")
+        value = False
     if value is None:
         if not spec.nullable:
             raise ConfigError(f"{path}: null is not allowed (expected {spec.type_names()})")

@@ -45,8 +45,24 @@ def _not_parquet(path: Path) -> str | None:
     return None
 
 
+def check_local_device(cfg: dict) -> None:
+    """trainer.device=cuda (verl's default) on a machine without CUDA, when every stage runs here
+    (orchestration.mode=local): refused naming the key, before a rank or an engine starts (vLLM
+    would otherwise fail deep in its start-up, DeepSpeed at its first collective)."""
+    if cfg["trainer"]["device"] != "cuda" or cfg["orchestration"]["mode"] != "local":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda (verl's default), but this machine has no CUDA device "
+                          "(torch.cuda.is_available() is false): set trainer.device=cpu to train on the CPU "
+                          "(DeepSpeed on gloo ranks, the vLLM or transformers CPU engine)")
+
+
 def check_local_paths(cfg: dict) -> None:
-    """Raise ConfigError naming every path of named_paths that is missing."""
+    """Raise ConfigError naming every path of named_paths that is missing, or a device that is
+    not here (check_local_device)."""
+    check_local_device(cfg)
     cwd = os.getcwd()
     problems = []
     for key, value, kind in named_paths(cfg):
@@ -67,3 +83,26 @@ def check_local_paths(cfg: dict) -> None:
         raise ConfigError("; ".join(problems) + ". Give existing local paths (a model folder can be "
                           "made with `stagerl model tiny --out DIR`), or run from the folder they are "
                           "relative to")
+    check_context_length(cfg)
+
+
+def check_context_length(cfg: dict) -> None:
+    """The longest sequence (prompt + response, or rollout.max_model_len when set) within the
+    actor's max_position_embeddings (its config.json): refused naming the keys, before vLLM
+    refuses it at start-up (or the hf engine runs past its positions)."""
+    import json
+
+    path = Path(os.path.expanduser(str(cfg["actor_rollout_ref"]["model"]["path"]))) / "config.json"
+    try:
+        positions = json.loads(path.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return
+    data, rollout = cfg["data"], cfg["actor_rollout_ref"]["rollout"]
+    longest, why = (data["max_prompt_length"] + data["max_response_length"],
+                    f"data.max_prompt_length {data['max_prompt_length']} + data.max_response_length "
+                    f"{data['max_response_length']}")
+    if rollout.get("max_model_len"):
+        longest, why = rollout["max_model_len"], "actor_rollout_ref.rollout.max_model_len"
+    if isinstance(positions, int) and longest > positions:
+        raise ConfigError(f"{why} = {longest} tokens is longer than the model's context: max_position_embeddings "
+                          f"{positions} in {path}; shorten them or use a model with a longer context")

@@ -17,7 +17,7 @@ def _candidates(current, spec):
     if spec.nullable and current is not None and spec.deprecated:
         yield None
         return
-    if not (int in spec.types) or (current is not None and not isinstance(current, int)):
+    if int not in spec.types or (current is not None and not isinstance(current, int)):
         return
     centre = current if current is not None else NULL_CENTRE
     for delta in range(1, MAX_TRIES):

@@ -94,6 +94,26 @@ def test_convert_gsm8k_matches_verl_preprocessing(tmp_path):
     assert again == rows
 
 
+def test_convert_gsm8k_for_the_tool_agent_matches_verls_tool_agent_preprocessing(tmp_path):
+    """`stagerl data gsm8k --agent tool_agent`: the rows of verl's examples/data_preprocess/
+    gsm8k_tool_agent_loop.py (its system prompt and instruction, agent_name, the calc_gsm8k_reward
+    tool's create_kwargs), which verl's multi-turn scripts train on."""
+    from flows.cli import main
+
+    source = _write_jsonl(tmp_path / "train.jsonl", GSM8K_RECORDS)
+    assert main(["data", "gsm8k", "--agent", "tool_agent", "--input", str(source), "--out", str(tmp_path / "t.parquet")]) == 0
+    rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    first = rows[1]
+    assert first["agent_name"] == "tool_agent" and first["data_source"] == "openai/gsm8k"
+    assert [m["role"] for m in first["prompt"]] == ["system", "user"]
+    assert first["prompt"][0]["content"].startswith("You are a math expert.") and "`calc_gsm8k_reward`" in first["prompt"][0]["content"]
+    assert first["prompt"][1]["content"] == ("A car costs $1,000. What is it in dollars? "
+                                             "Let's think step by step and output the final answer after `####`.")
+    assert first["extra_info"]["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "1000"}}}
+    assert first["extra_info"]["need_tools_kwargs"] is True and first["reward_model"]["ground_truth"] == "1000"
+    assert first["extra_info"]["interaction_kwargs"] == {"query": GSM8K_RECORDS[1]["question"], "ground_truth": "1000"}
+
+
 def test_convert_gsm8k_bad_row_names_it(tmp_path):
     bad = GSM8K_RECORDS[:1] + [{"question": "No answer marker", "answer": "The answer is 5."}]
     source = _write_jsonl(tmp_path / "bad.jsonl", bad)

@@ -127,3 +127,21 @@ def test_a_failing_engine_reports_the_worker_log(tmp_path, models):
             _generate(resident, "hf", tmp_path, replicas=2)
     finally:
         resident.close()
+
+
+def test_a_tensor_parallel_cpu_replica_loads_new_weights_in_place(models):
+    """vLLM on the CPU with tensor_model_parallel_size=2: its two workers are processes vLLM spawns;
+    they keep their linear weights too (stages.engines.vllm_cpu_worker), so new weights load in
+    place (vLLM's CPU packing would otherwise have dropped them: "Attempted to load weight into
+    parameter (torch.Size([0]))") and give a freshly started replica's rows."""
+    a, b = models
+    rollout = {**ROLLOUT, "tensor_model_parallel_size": 2}
+    resident = RolloutEngines(resident=True)
+    try:
+        rows_a, _ = _generate(resident, "vllm", a, rollout=rollout)
+        rows_b, timings = _generate(resident, "vllm", b, rollout=rollout)
+        assert timings["started"] == 0 and timings["load_weights_s"] > 0
+    finally:
+        resident.close()
+    fresh, _ = _generate(RolloutEngines(resident=False), "vllm", b, rollout=rollout)
+    assert fresh == rows_b and rows_a != rows_b

@@ -584,6 +584,64 @@ def test_verls_multi_turn_command_line_loads_and_what_cannot_be_honoured_is_refu
     assert exit_info.value.code == 2 and "no config file" in capsys.readouterr().err
 
 
+# verl's examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh, its keys verbatim
+# (TRAIN_BATCH_SIZE=32, MICRO_BATCH_SIZE=8 substituted; `use_kl_loss=${use_kl_loss}` with the shell
+# variable unset, as the script leaves it); model, data and tool config paths are added local
+VERL_MT_VLLM_KEYS = (
+    "actor_rollout_ref.rollout.name=vllm algorithm.adv_estimator=grpo data.train_batch_size=32 "
+    "data.max_prompt_length=1024 data.max_response_length=1024 data.filter_overlong_prompts=True "
+    "data.truncation=error data.return_raw_chat=True actor_rollout_ref.actor.optim.lr=1e-6 "
+    "actor_rollout_ref.actor.ppo_mini_batch_size=32 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 "
+    "actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001 "
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0 "
+    "actor_rollout_ref.actor.use_kl_loss= actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 "
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.n=8 "
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.9 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8 "
+    "algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.project_name=gsm8k_async_rl "
+    "trainer.experiment_name=qwen2.5-3b_function_rm-gsm8k-sgl-multi-w-tool-verify-n16 trainer.n_gpus_per_node=16 "
+    "trainer.nnodes=1 trainer.save_freq=-1 trainer.test_freq=20 trainer.logger=[\"console\"] trainer.total_epochs=15 "
+    "actor_rollout_ref.rollout.trace.token2text=False actor_rollout_ref.rollout.mode=async "
+    "actor_rollout_ref.rollout.multi_turn.enable=true actor_rollout_ref.rollout.enforce_eager=True "
+    "actor_rollout_ref.actor.use_torch_compile=False actor_rollout_ref.rollout.free_cache_engine=True").split()
+
+
+def test_verls_vllm_multi_turn_command_line_plans_and_this_machine_is_named(tmp_path, capsys):
+    """verl's vLLM multi-turn script with only the entry point changed plans as verl derives it (its
+    unset `${use_kl_loss}` read as false, as verl's configs read the empty string; its trace key
+    accepted). `stagerl train` then names what this machine lacks, before anything starts: a CUDA
+    device (trainer.device=cuda is verl's default), then a model context for 1024 + 1024 tokens."""
+    from flows.cli import main
+    from stages.data.tools import convert_gsm8k
+    import torch
+
+    (tmp_path / "gsm8k_multiturn_grpo.yaml").write_text(VERL_MT_CONFIG)
+    tools = tmp_path / "gsm8k_tool_config.yaml"
+    tools.write_text((Path(__file__).resolve().parents[1] / "examples/tool_config/gsm8k_tool_config.yaml").read_text())
+    (tmp_path / "gsm8k.jsonl").write_text(json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n")
+    for split in ("train", "test"):
+        convert_gsm8k(tmp_path / "gsm8k.jsonl", tmp_path / f"{split}.parquet", split, agent="tool_agent")
+    line = [f"--config-path={tmp_path}", "--config-name=gsm8k_multiturn_grpo", *VERL_MT_VLLM_KEYS,
+            f"actor_rollout_ref.model.path={make_assets(tmp_path)[0]}", f"data.train_files={tmp_path}/train.parquet",
+            f"data.val_files={tmp_path}/test.parquet", f"{MT}.tool_config_path={tools}"]
+    capsys.readouterr()  # what building the tiny model printed
+    assert main(["plan", *line, "--json"]) == 0
+    out = capsys.readouterr()
+    plan = json.loads(out.out)
+    assert (plan["rows_per_step"], plan["n_gpus"]) == (32 * 8, 16)
+    cfg = load_config(str(tmp_path / "gsm8k_multiturn_grpo.yaml"), line[2:])
+    assert "actor_rollout_ref.actor.use_kl_loss= (an empty value) is read as false, as verl reads it" in cfg.warnings
+    assert cfg["actor_rollout_ref"]["actor"]["use_kl_loss"] is False
+    assert cfg["actor_rollout_ref"]["rollout"]["trace"]["token2text"] is False
+    if not torch.cuda.is_available():
+        assert main(["train", *line]) == 2
+        assert "trainer.device=cuda (verl's default), but this machine has no CUDA device" in "".join(capsys.readouterr())
+    assert main(["train", *line, "trainer.device=cpu"]) == 2   # the tiny model's 1024 positions
+    assert ("data.max_prompt_length 1024 + data.max_response_length 1024 = 2048 tokens is longer than the "
+            "model's context: max_position_embeddings 1024") in "".join(capsys.readouterr())
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.trace.backend='mlflow': stagerl does not implement"):
+        load_config(str(tmp_path / "gsm8k_multiturn_grpo.yaml"), [*line[2:], "actor_rollout_ref.rollout.trace.backend=mlflow"])
+
+
 def test_vllm_in_a_run_session_gives_the_hf_trajectories(tmp_path, taught, assets):
     """The resident vLLM engine of a run (and the run's tool workers, RunSession.tools) runs the
     same loop, streamed (Engine.stream): greedy, its trajectories and turns equal the hf engine's."""

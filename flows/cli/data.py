@@ -20,6 +20,9 @@ def register(subparsers) -> None:
     gsm8k.add_argument("--input", required=True, help="local .jsonl or .parquet with question, answer")
     gsm8k.add_argument("--out", required=True, help="output parquet file")
     gsm8k.add_argument("--split", default="train", choices=["train", "test"])
+    gsm8k.add_argument("--agent", default=None, choices=["tool_agent"],
+                       help="tool_agent: the rows of verl's gsm8k_tool_agent_loop.py (system prompt, "
+                            "agent_name, tools_kwargs for calc_gsm8k_reward), for its multi-turn scripts")
     gsm8k.set_defaults(func=run_gsm8k)
 
 
@@ -36,7 +39,7 @@ def run_gsm8k(args) -> int:
     from stages.data.tools import convert_gsm8k, read_records
 
     try:
-        out = convert_gsm8k(args.input, args.out, split=args.split)
+        out = convert_gsm8k(args.input, args.out, split=args.split, agent=args.agent)
     except (ValueError, FileNotFoundError) as exc:
         print(f"stagerl data gsm8k: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,8 @@ def register(subparsers) -> None:
     tiny.add_argument("--num-heads", type=int, default=2, help="head_dim = hidden / heads must be >= 32")
     tiny.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads")
     tiny.add_argument("--vocab-size", type=int, default=512, help="BPE vocab size (specials included)")
+    tiny.add_argument("--max-positions", type=int, default=1024,
+                      help="max_position_embeddings: the longest prompt + response (default 1024)")
     tiny.set_defaults(func=run_tiny)
     from stages.model.shapes import ARCHITECTURES, DTYPES
 
@@ -46,6 +48,7 @@ def run_tiny(args) -> int:
         num_attention_heads=args.num_heads,
         num_key_value_heads=args.num_kv_heads or args.num_heads,
         vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_positions,
     )
     try:
         TinyModelOptions(**options).validate()

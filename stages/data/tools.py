@@ -8,7 +8,8 @@ reward_model {style: "rule", ground_truth: str}, extra_info {split, index, quest
   model is never taught to compute, each row with a demonstration (a calculator call, then the
   answer) for the multi-turn warm start.
 - convert_gsm8k: GSM8K in its Hugging Face form (question, answer) -> the rows verl's
-  examples/data_preprocess/gsm8k.py writes.
+  examples/data_preprocess/gsm8k.py writes (agent="tool_agent": those of its
+  gsm8k_tool_agent_loop.py, for the calc_gsm8k_reward tool of examples/tool_config).
 
 Arithmetic difficulty levels (operands drawn uniformly, ends included):
   1  a + b,            a, b in 0..9              (single-digit addition)
@@ -241,24 +242,47 @@ def gsm8k_ground_truth(answer: str, row: int | None = None) -> str:
     return match.group(1).replace(",", "")
 
 
-def gsm8k_rows(records: list[dict], split: str = "train") -> list[dict]:
-    """GSM8K records ({question, answer}) -> verl's preprocessed rows (verl: examples/data_preprocess/gsm8k.py)."""
+# verl's examples/data_preprocess/gsm8k_tool_agent_loop.py: its instruction and system prompt
+GSM8K_TOOL_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
+GSM8K_TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+                     "Reasoning step by step before any tool call. "
+                     "You should use the `calc_gsm8k_reward` tool after step by step solving the question, "
+                     "before generate final answer at least once and refine your answer if necessary. "
+                     "Put your final answer in the format of `#### <answer>`.")
+
+
+def gsm8k_rows(records: list[dict], split: str = "train", agent: str | None = None) -> list[dict]:
+    """GSM8K records ({question, answer}) -> verl's preprocessed rows (verl: examples/data_preprocess/
+    gsm8k.py; agent="tool_agent": gsm8k_tool_agent_loop.py's rows, which call calc_gsm8k_reward)."""
+    if agent not in (None, "tool_agent"):
+        raise ValueError(f"GSM8K agent {agent!r}: only tool_agent (or none) has a verl preprocessing")
     rows = []
     for index, record in enumerate(records):
         for key in ("question", "answer"):
             if not isinstance(record.get(key), str):
                 raise ValueError(f"GSM8K row {index}: missing or non-text {key!r} column")
         question, answer = record["question"], record["answer"]
-        rows.append({
+        truth = gsm8k_ground_truth(answer, index)
+        row = {
             "data_source": GSM8K_SOURCE,
             "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
             "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": gsm8k_ground_truth(answer, index)},
+            "reward_model": {"style": "rule", "ground_truth": truth},
             "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
-        })
+        }
+        if agent == "tool_agent":
+            row["agent_name"] = agent
+            row["prompt"] = [{"role": "system", "content": GSM8K_TOOL_SYSTEM},
+                             {"role": "user", "content": question + " " + GSM8K_TOOL_INSTRUCTION}]
+            row["extra_info"].update({
+                "need_tools_kwargs": True,
+                "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+                "interaction_kwargs": {"query": question, "ground_truth": truth}})
+        rows.append(row)
     return rows
 
 
-def convert_gsm8k(input_path, out_path, split: str = "train") -> Path:
+def convert_gsm8k(input_path, out_path, split: str = "train", agent: str | None = None) -> Path:
     """Convert a local GSM8K file (jsonl or parquet with question/answer) to verl's RL parquet."""
-    return write_rows(gsm8k_rows(read_records(input_path), split), out_path)
+    rows = gsm8k_rows(read_records(input_path), split, agent)
+    return write_rows(rows, out_path) if agent is None else write_tool_rows(rows, out_path)

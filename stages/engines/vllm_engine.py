@@ -84,6 +84,8 @@ def engine_kwargs(spec: EngineSpec) -> tuple[dict, list[str]]:
         if kwargs["max_num_batched_tokens"] < max_model_len:
             kwargs["max_num_batched_tokens"] = max_model_len
             notes.append(f"max_num_batched_tokens raised to max_model_len={max_model_len} on CPU")
+        if kwargs["tensor_parallel_size"] > 1:  # the workers are processes of their own: patch them too
+            kwargs["worker_extension_cls"] = "stages.engines.vllm_cpu_worker.KeepCpuLinearWeights"
         kwargs["kv_cache_memory_bytes"] = _kv_cache_bytes(spec.model_dir, max_model_len,
                                                           kwargs["max_num_seqs"], kwargs["dtype"])
     else:
@@ -105,7 +107,7 @@ def replica_env(spec: EngineSpec, env: dict) -> dict:
         visible = env.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(i) for i in range(spec.num_replicas * tp)]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[spec.replica * tp:(spec.replica + 1) * tp])
-    elif spec.num_replicas > 1:
+    elif spec.num_replicas > 1 or tp > 1:  # vLLM's own binding wants a NUMA node per TP worker
         cores = sorted(os.sched_getaffinity(0))
         per = len(cores) // (spec.num_replicas * tp)
         if per >= 1:
