@@ -296,3 +296,30 @@ def check_fits(cfg, estimate: dict | None) -> None:
                          f" GiB); try: " + "; ".join(f"{t} (saves ~{s:.1f} GiB{', enough alone' if s >= excess else ''}"
                                                      f"{', trains adapters only' if lora else ''})" for s, t, lora in tips),
                          stage, [t for _, t, _ in tips])
+
+
+def host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def check_host_fits(cfg, plan: dict, estimate: dict | None, host_gib: float | None = None) -> None:
+    """On the CPU (trainer.device=cpu, every stage on this host) the resident rollout engines (one
+    process per replica and tensor-parallel worker, kept alive through the update) and the update's
+    ranks share the host's memory: refuse (DoesNotFit) when their estimates alone exceed it, before
+    anything starts (the kernel's OOM killer would otherwise stop an engine mid-rollout)."""
+    if not estimate or get_path(cfg, "trainer.device") != "cpu" or get_path(cfg, "orchestration.mode") != "local":
+        return
+    host = host_gib or host_memory_gib()
+    rollout = plan["rollout"]
+    workers = rollout["num_replicas"] * rollout["tensor_model_parallel_size"]
+    engine_gib = estimate["rollout"]["total_gib"]
+    rank_gib = (estimate.get("update") or estimate["update_actor"])["total_gib"]
+    need = workers * engine_gib + plan["n_gpus"] * rank_gib
+    if need > host:
+        tips = ["fewer ranks (trainer.n_gpus_per_node: on the CPU each is a process, not a device)",
+                f"fewer rollout replicas ({ROLLOUT}.tensor_model_parallel_size × data_parallel_size "
+                f"closer to the world size)"]
+        raise DoesNotFit(f"on the CPU the rollout engines and the update's ranks share this host's {host:.1f} GiB: "
+                         f"{rollout['num_replicas']} replica(s) × TP {rollout['tensor_model_parallel_size']} engine "
+                         f"processes × ~{engine_gib:.1f} GiB + {plan['n_gpus']} ranks × ~{rank_gib:.1f} GiB ≈ "
+                         f"{need:.1f} GiB; try: " + "; ".join(tips), "host", tips)

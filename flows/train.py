@@ -20,7 +20,7 @@ from flows.step import (check_stage_deployments, is_retryable, logger, rl_step, 
                         step_is_complete, subflow_heartbeats_off)
 from configs.changes import changed_keys  # noqa: F401 (tests import it from here)
 from configs.local_paths import check_local_paths
-from configs.memory import check_fits, estimate_memory
+from configs.memory import check_fits, check_host_fits, estimate_memory
 from configs.plan import check_trainable
 from flows.metric_sinks import MetricSinks, check_sinks
 from flows.rerun import RunConfigChanged, check_rerun, has_finished_work, run_total  # noqa: F401 (RunConfigChanged: tests)
@@ -303,7 +303,9 @@ def check_before_start(cfg: dict, plan: dict) -> tuple[Store, RunLayout]:
     """Refuse what cannot run before anything starts; (store, layout) of the run."""
     check_trainable(cfg)
     check_local_paths(cfg)  # a deployment run's worker: its own working directory
-    check_fits(cfg, estimate_memory(cfg, plan))  # each stage's estimated peak fits the device
+    estimate = estimate_memory(cfg, plan)
+    check_fits(cfg, estimate)  # each stage's estimated peak fits the device
+    check_host_fits(cfg, plan, estimate)  # the CPU: engines and ranks in this host's memory
     for folder in remove_orphans():  # scratch folders of killed runs on this host (stages.scratch)
         print(f"removed {folder}: left by a process that is gone", flush=True)
     store = Store.from_config(cfg["storage"])

@@ -638,6 +638,19 @@ def test_verls_vllm_multi_turn_command_line_plans_and_this_machine_is_named(tmp_
     assert main(["train", *line, "trainer.device=cpu"]) == 2   # the tiny model's 1024 positions
     assert ("data.max_prompt_length 1024 + data.max_response_length 1024 = 2048 tokens is longer than the "
             "model's context: max_position_embeddings 1024") in "".join(capsys.readouterr())
+    # with a model of 4096 positions and trainer.device=cpu: 16 ranks and 8 replicas × TP 2 engine
+    # processes on one host (an OOM kill on this 24 GiB machine) are refused for the host's memory
+    from configs.memory import DoesNotFit, check_host_fits, estimate_memory
+    from stages.model.tiny import save_tiny_model
+
+    long = save_tiny_model(tmp_path / "long", max_position_embeddings=4096)
+    cfg = load_config(str(tmp_path / "gsm8k_multiturn_grpo.yaml"), [*line[2:], f"actor_rollout_ref.model.path={long}",
+                                                                     "trainer.device=cpu"])
+    plan = make_plan(cfg)
+    estimate = estimate_memory(cfg, plan)
+    with pytest.raises(DoesNotFit, match=r"share this host's 23.5 GiB: 8 replica\(s\) × TP 2 engine processes"):
+        check_host_fits(cfg, plan, estimate, host_gib=23.5)
+    check_host_fits(cfg, plan, estimate, host_gib=64.0)
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.trace.backend='mlflow': stagerl does not implement"):
         load_config(str(tmp_path / "gsm8k_multiturn_grpo.yaml"), [*line[2:], "actor_rollout_ref.rollout.trace.backend=mlflow"])
 

@@ -98,7 +98,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
     experiment is first made a fork (flows.fork: `overrides` are then the fork's own)."""
     from configs.loader import load_config
     from configs.local_paths import check_local_paths
-    from configs.memory import check_fits, estimate_memory
+    from configs.memory import check_fits, check_host_fits, estimate_memory
     from configs.plan import check_trainable
     from configs.schema import ConfigError
     from configs.suggest import make_plan
@@ -120,7 +120,9 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
             plan = make_plan(cfg)
             check_trainable(cfg)
             check_local_paths(cfg)
-            check_fits(cfg, estimate_memory(cfg, plan))  # with a known device size
+            estimate = estimate_memory(cfg, plan)
+            check_fits(cfg, estimate)  # with a known device size
+            check_host_fits(cfg, plan, estimate)  # the CPU: engines and ranks in this host's memory
             check_rows(cfg)  # every row usable: refused here, before anything is written or started
             if fork:
                 from flows.fork import check_fork, preexisting_fork
