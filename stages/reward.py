@@ -1,9 +1,9 @@
 """reward stage: score every rollout row (verl: the reward manager, verl/workers/reward_manager/naive.py).
 
 Each row is routed by its `data.reward_fn_key` column (default data_source) to the built-in rule
-scorers (stages.scoring.scorers) or scored by the user's `custom_reward_function.path/.name`, in worker
-processes with a per-row timeout (stages.scoring.pool.score_batch; reward.num_workers, .timeout_s,
-.strict). A row whose scorer raises, returns a non-number/non-finite value, or times out scores 0
+scorers (stages.scoring.scorers: in this process, as verl's reward manager) or scored by the user's
+`custom_reward_function.path/.name` in worker processes with a per-row timeout
+(stages.scoring.pool.score_batch; reward.num_workers, .timeout_s, .strict). A row whose scorer raises, returns a non-number/non-finite value, or times out scores 0
 with the reason in `error` and is counted in reward/errors or reward/timeouts (strict: the stage
 fails). With reward_model.enable, an HF sequence-classification model scores prompt + response in
 batches and its score is added to the rule score (column rm_score keeps it).

@@ -102,6 +102,23 @@ def test_builtin_scorers_without_a_path():
     assert metrics["reward/errors"] == 1.0
 
 
+def test_builtin_scorers_run_in_this_process():
+    """Without a custom_reward_function.path the rule scorers run in the calling process (no worker
+    round trip): a scorer registered here, after any worker could have been started, scores."""
+    from stages.scoring.scorers import SCORERS, register_scorer
+
+    register_scorer("test/in_process")(lambda solution_str, ground_truth, extra_info=None: {"score": float(os.getpid())})
+    try:
+        results, metrics = score_batch([make_row(0, "x", "x", "test/in_process")], None, num_workers=2, timeout_s=5)
+    finally:
+        SCORERS.pop("test/in_process")
+    assert results[0]["score"] == float(os.getpid()) and metrics == {
+        "reward/errors": 0.0, "reward/timeouts": 0.0, "reward/rows": 1.0}
+    with pytest.raises(RewardScoringError, match=r"row 1 \(data_source='no/such'\)"):
+        score_batch([make_row(0, "#### 1", "1", "openai/gsm8k"), make_row(1, "1", "1", "no/such")], None,
+                    num_workers=2, timeout_s=5, strict=True)
+
+
 def test_empty_batch_and_bad_arguments(reward_file):
     assert score_batch([], {"path": reward_file}, num_workers=2, timeout_s=1) == (
         [], {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/rows": 0.0})
