@@ -146,6 +146,7 @@ def stagerl_overrides(spec: dict, inputs: dict, work: Path, steps: int) -> list[
            f"{rollout}.hf_generate_batch_size=120", f"{rollout}.name={spec['engine']}", f"{rollout}.enforce_eager=true",
            f"{rollout}.dtype=float32",  # as TRL (bf16=False) and the update (deepspeed.dtype=fp32)
            f"custom_reward_function.path={PEER / 'reward.py'}", "custom_reward_function.name=compute_score",
+           "reward.num_workers=0",  # the function in the reward stage's process, as TRL's reward_funcs run
            f"trainer.n_gpus_per_node={spec['ranks']}", "trainer.nnodes=1", "trainer.device=cpu",
            f"trainer.total_training_steps={steps}", f"trainer.seed={w['seed']}", "trainer.val_before_train=false",
            "trainer.test_freq=-1", "trainer.save_freq=-1", "warmstart.enable=false",

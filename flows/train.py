@@ -175,12 +175,12 @@ def validate(run: RunHandle, step: int, extra: dict) -> dict | None:
     import pyarrow as pa
 
     from stages.reward import reward_fn_spec, scoring_rows
-    from stages.scoring.pool import score_batch
+    from stages.scoring.pool import in_process, score_batch
 
     key = ctx.get("data.reward_fn_key", "data_source")
     spec = reward_fn_spec(ctx)  # the reward stage's: the same function, kwargs and pool
     workers, timeout = int(ctx.get("reward.num_workers", 2)), float(ctx.get("reward.timeout_s", 10.0))
-    pool = ctx.session.scorers(spec, workers, timeout) if ctx.session is not None else None
+    pool = ctx.session.scorers(spec, workers, timeout) if ctx.session is not None and not in_process(spec, workers) else None
     results, _ = score_batch(scoring_rows(pa.Table.from_pylist(rows), key), spec,
                              num_workers=workers, timeout_s=timeout, pool=pool)
     by_source: dict = {}

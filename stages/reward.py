@@ -90,12 +90,12 @@ def rule_rewards(ctx, rollout: pa.Table):
     DAPO's overlong penalty when reward_model.reward_manager=dapo and overlong_buffer.enable.
     Returns (scorer results, scores, metrics, overlong penalties or None). The dynamic sampling of
     the rollout stage scores its generation batches with the same function."""
-    from stages.scoring.pool import score_batch
+    from stages.scoring.pool import in_process, score_batch
 
     rows = scoring_rows(rollout, ctx.get("data.reward_fn_key", "data_source"))
     fn_spec = reward_fn_spec(ctx)
     workers, timeout = int(ctx.get("reward.num_workers", 2)), float(ctx.get("reward.timeout_s", 10.0))
-    pool = ctx.session.scorers(fn_spec, workers, timeout) if ctx.session is not None else None
+    pool = ctx.session.scorers(fn_spec, workers, timeout) if ctx.session is not None and not in_process(fn_spec, workers) else None
     results, metrics = score_batch(rows, fn_spec, num_workers=workers, timeout_s=timeout,
                                    strict=bool(ctx.get("reward.strict", False)), pool=pool)
     scores = [r["score"] for r in results]

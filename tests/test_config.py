@@ -153,7 +153,7 @@ def test_cli_config_show_and_keys(capsys):
     ("data.max_prompt_length=-1", "data.max_prompt_length=-1: must be >= 1"),
     ("data.max_response_length=0", "data.max_response_length=0: must be >= 1"),
     ("actor_rollout_ref.rollout.temperature=-1", "actor_rollout_ref.rollout.temperature=-1.0: must be >= 0"),
-    ("reward.num_workers=-1", "reward.num_workers=-1: must be >= 1"),
+    ("reward.num_workers=-1", "reward.num_workers=-1: must be >= 0"),
     ("reward.timeout_s=0", "reward.timeout_s=0.0: must be > 0"),
 ])
 def test_values_below_a_keys_bound_are_refused_before_start_up(override, needle, capsys):

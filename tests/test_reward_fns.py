@@ -123,7 +123,23 @@ def test_empty_batch_and_bad_arguments(reward_file):
     assert score_batch([], {"path": reward_file}, num_workers=2, timeout_s=1) == (
         [], {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/rows": 0.0})
     with pytest.raises(ValueError, match="num_workers"):
-        score_batch([make_row(0, "1", "1")], None, num_workers=0, timeout_s=1)
+        score_batch([make_row(0, "1", "1")], None, num_workers=-1, timeout_s=1)
+
+
+def test_num_workers_0_scores_a_custom_function_in_this_process(tmp_path):
+    """reward.num_workers=0: the user's function runs in the calling process (verl's reward manager,
+    TRL's reward_funcs), its errors still the rows' errors; an edit of the file is used at the next call."""
+    path = tmp_path / "pid_reward.py"
+    path.write_text("import os\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    if ground_truth == 'boom':\n        raise ValueError('no')\n    return float(os.getpid())\n")
+    rows = [make_row(0, "a", "a"), make_row(1, "b", "boom")]
+    results, metrics = score_batch(rows, {"path": str(path)}, num_workers=0, timeout_s=1)
+    assert results[0]["score"] == float(os.getpid()) and "ValueError: no" in results[1]["error"]
+    assert metrics == {"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/rows": 2.0}
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 7.0\n")
+    assert score_batch(rows[:1], {"path": str(path)}, num_workers=0, timeout_s=1)[0][0]["score"] == 7.0
+    two, _ = score_batch(rows[:1], {"path": str(str(tmp_path / "pid_reward.py"))}, num_workers=1, timeout_s=5)
+    assert two[0]["score"] == 7.0  # the same function in a worker process
 
 
 def test_user_file_with_dataclass_result(tmp_path):

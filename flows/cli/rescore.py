@@ -95,7 +95,7 @@ def rescore(view, steps: list, spec: dict, timeout: float | None = None, max_sec
 
     get = view.config_value
     key = get("data.reward_fn_key", "data_source") or "data_source"
-    workers = int(get("reward.num_workers", 2))
+    workers = max(1, int(get("reward.num_workers", 2)))  # a rescore always isolates the function
     timeout = float(timeout if timeout is not None else get("reward.timeout_s", 10.0))
     records, errors, t0 = [], [], time.monotonic()
     total = 0

@@ -401,7 +401,8 @@ def score_batch(rows: Sequence[Mapping], fn_spec: "RewardFnSpec | Mapping | None
                 num_workers: int = 4, timeout_s: float = 30.0, strict: bool = False,
                 pool: "ScorerPool | None" = None) -> tuple[list[dict], dict[str, float]]:
     """Score rows (data_source, solution_str, ground_truth, optional extra_info) in worker processes;
-    the built-in rule scorers (no custom_reward_function.path) in this process (score_in_process).
+    the built-in rule scorers (no custom_reward_function.path), or any function with num_workers=0,
+    in this process (score_in_process).
 
     Returns one {score, acc, extras, error} dict per row, in order, and metrics
     reward/errors (raised, bad return value, worker died), reward/timeouts and reward/rows.
@@ -410,10 +411,10 @@ def score_batch(rows: Sequence[Mapping], fn_spec: "RewardFnSpec | Mapping | None
     its workers, which must have been made for the same function, num_workers and timeout_s;
     without, a pool is started for this call and closed at its end.
     """
-    if num_workers < 1 or timeout_s <= 0:
-        raise ValueError(f"num_workers must be >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
-    if RewardFnSpec.from_config(fn_spec).path is None:
-        return score_in_process(rows, strict)
+    if num_workers < 0 or timeout_s <= 0:
+        raise ValueError(f"num_workers must be >= 0 and timeout_s > 0, got {num_workers}, {timeout_s}")
+    if in_process(fn_spec, num_workers):
+        return score_in_process(rows, fn_spec, strict)
     if pool is None:
         with ScorerPool(fn_spec, num_workers, timeout_s) as one_shot:
             return one_shot.score(rows, strict=strict)
@@ -424,13 +425,20 @@ def score_batch(rows: Sequence[Mapping], fn_spec: "RewardFnSpec | Mapping | None
     return pool.score(rows, strict=strict)
 
 
-def score_in_process(rows: Sequence[Mapping], strict: bool = False) -> tuple[list[dict], dict[str, float]]:
-    """The built-in rule scorers (stages.scoring.scorers: string and regular-expression rules, linear
-    in the response) in this process, as verl's reward manager runs them: no worker round trip (on
-    the 720 short rows of the peer bench's step the workers' messages cost 15-50 ms of a 20-55 ms
-    stage). Results, errors, metrics and strict are as ScorerPool.score's; there is no timeout to
-    enforce (no worker to stop), and none is needed for these rules."""
-    fn = load_reward_fn(None)
+def in_process(fn_spec, num_workers: int) -> bool:
+    """Whether score_batch scores in the calling process: the built-in rule scorers always
+    (stages.scoring.scorers: string and regular-expression rules, linear in the response), a
+    custom function when reward.num_workers=0 (as verl's reward manager and TRL's reward_funcs
+    run: no isolation, no timeout)."""
+    return num_workers == 0 or RewardFnSpec.from_config(fn_spec).path is None
+
+
+def score_in_process(rows: Sequence[Mapping], fn_spec=None, strict: bool = False) -> tuple[list[dict], dict[str, float]]:
+    """Score rows in this process (see in_process): no worker round trip (on the 720 short rows
+    of the peer bench's step the workers' messages cost 15-50 ms of a 20-55 ms stage). Results,
+    errors, metrics and strict are as ScorerPool.score's; no timeout is enforced (no worker to
+    stop). A custom file is imported again at each call, so an edit between steps is used."""
+    fn = load_reward_fn(fn_spec)
     results, errors = [], 0
     for index, row in enumerate(rows):
         outcome = score_row(fn, row)
