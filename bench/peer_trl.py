@@ -17,7 +17,8 @@ loss_type="dapo", which divides by the active tokens of the whole generation bat
 step per RL step (lr 1e-3, betas 0.9/0.999, weight decay 0.01, constant schedule, grad clip 1.0),
 micro-batches swept over 120, 360 and 720 rows per optimizer step's micro-batch over all ranks
 (stagerl ppo_micro_batch_size_per_gpu = rows / ranks; TRL per_device_train_batch_size = rows / ranks
-with 720 / rows accumulation steps = steps_per_generation), the reward of bench/peer/reward.py, no
+with 720 / rows accumulation steps = steps_per_generation), the reward of bench/peer/reward.py (on
+both sides in the trainer's process: stagerl's reward.num_workers=0, TRL's reward_funcs), no
 validation, evaluation or checkpoints, fp32. Both generate the step's rows in one transformers
 `generate` call per engine (stagerl's hf_generate_batch_size=120 prompts covers the 60).
 
