@@ -94,9 +94,18 @@ def check_context_length(cfg: dict) -> None:
 
     path = Path(os.path.expanduser(str(cfg["actor_rollout_ref"]["model"]["path"]))) / "config.json"
     try:
-        positions = json.loads(path.read_text()).get("max_position_embeddings")
+        config = json.loads(path.read_text())
     except (OSError, ValueError):
         return
+    if not isinstance(config, dict):
+        return
+    if "max_position_embeddings" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # a multimodal model's language model
+    for key in ("rope_scaling", "rope_parameters"):  # a scaled RoPE (YaRN, linear, dynamic) serves
+        rope = config.get(key)                       # beyond max_position_embeddings: vLLM decides
+        if isinstance(rope, dict) and rope.get("factor") and rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            return
+    positions = config.get("max_position_embeddings")
     data, rollout = cfg["data"], cfg["actor_rollout_ref"]["rollout"]
     longest, why = (data["max_prompt_length"] + data["max_response_length"],
                     f"data.max_prompt_length {data['max_prompt_length']} + data.max_response_length "

@@ -246,3 +246,25 @@ def test_a_user_registered_metric_sink_is_accepted_and_an_unknown_one_refused(tm
     assert main(["plan", "--config", "tiny-cpu", "trainer.logger=[console,mlflow]"]) == 2
     err = capsys.readouterr().err
     assert "trainer.logger: 'mlflow' is not one of" in err and "Traceback" not in err
+
+
+def test_the_longest_sequence_is_checked_against_the_models_positions(tmp_path):
+    """prompt + response beyond config.json's max_position_embeddings is refused naming both keys
+    (also a multimodal model's text_config); a scaled RoPE (YaRN, linear, dynamic) is left to vLLM."""
+    import json
+
+    from configs.local_paths import check_context_length
+
+    def check(model_config, *overrides):
+        (tmp_path / "config.json").write_text(json.dumps(model_config))
+        check_context_length(load_config("tiny-cpu", [f"actor_rollout_ref.model.path={tmp_path}",
+                                                      "data.max_prompt_length=1024", *overrides]))
+
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length 1024 \+ data.max_response_length 512 = 1536 tokens "
+                                          r"is longer than the model's context: max_position_embeddings 1024"):
+        check({"max_position_embeddings": 1024}, "data.max_response_length=512")
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len = 2048 tokens"):
+        check({"text_config": {"max_position_embeddings": 1024}}, "data.max_response_length=8",
+              "actor_rollout_ref.rollout.max_model_len=2048")
+    check({"max_position_embeddings": 1024, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "data.max_response_length=512")
+    check({"max_position_embeddings": 1536}, "data.max_response_length=512")
