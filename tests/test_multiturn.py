@@ -370,6 +370,8 @@ def test_rollout_stage_with_the_hf_engine_calls_the_calculator(tmp_path, taught,
     assert (summary["tool_calls"], summary["tool_errors/bad_json"], summary["tool_errors/unknown_tool"]) == (12, 2, 2)
     assert summary["calls_by_tool"] == {"calculator": 8, "?": 2, "abacus": 2} and summary["num_turns_mean"] == 4.5
     assert summary["llm_tokens"] + summary["tool_tokens"] == sum(cols["response_length"])
+    # one continuous batch (HFEngine.stream): a call ends one turn or more, never a round's worth
+    assert summary["streamed"] and summary["rounds"] == 3 and summary["engine_calls"] <= 8 * 3
     # the same seed gives the same bytes; the same turns (but their measured latencies)
     again = make_ctx(tmp_path / "b", (model, train, assets[2]), stage_overrides(config))
     rollout.run(again)

@@ -35,13 +35,16 @@ a group's tools run the engine generates the next turn of any other group whose 
 returned; a group waits only for its own rows' tools. With one group (a batch smaller than
 hf_generate_batch_size × n) generation and tools alternate.
 
-Streamed (an engine with Engine.stream: vLLM, one replica, in its worker process): the whole batch
-is one continuous batch. A row whose turn ends leaves it, its tools run while the other rows go on
+Streamed (an engine with Engine.stream: vLLM or hf, one replica, resident; a batch with tool_agent
+rows and a tool config; a batch of single-turn rows is one call, as the plain rollout): the whole
+batch is one continuous batch. A row whose turn ends leaves it, its tools run while the other rows go on
 generating for multi_turn.tool_overlap_steps engine steps, and its next turn then joins the running
 batch, so no row waits for a round's slowest. The engine waits at that step for tools still running
 (with 0 steps, at once): which rows share an engine step is a function of the tokens, never of
 timing. The seeds are the rounds' (seed, row, turn), so with vLLM's per-request seeds a row samples
-the same tokens either way.
+the same tokens either way; hf's stream draws each row's tokens from that seed and the token's
+index (stages.engines.hf.sample_rows), so it samples other tokens than hf's rounds (one RNG per
+generation batch), equal ones when greedy.
 
     loop = AgentLoop(generate, tokenizer, tools, LoopSettings.from_rollout(rollout, response_length), sampling)
     trajectories = loop.run(prompt_ids, agents, tools_kwargs, keys, seed=..., group_rows=...)
@@ -263,7 +266,7 @@ class AgentLoop:
         self.system_prompt = system_prompt_ids(tokenizer, self.template_kwargs)
         self.tool_timeout_s = tool_timeout_s
         self.stats = {"engine_calls": 0, "generate_s": 0.0, "tool_wait_s": 0.0, "tool_calls": 0,
-                      "tool_s": 0.0, "rounds": 0, "tool_turns_cut": 0, "streamed": stream is not None}
+                      "tool_s": 0.0, "rounds": 0, "tool_turns_cut": 0, "streamed": False}
 
     # ---- the batch --------------------------------------------------------------------------
     def run(self, prompt_ids: Sequence, agents: Sequence[str], tools_kwargs: Sequence, keys: Sequence[str],
@@ -284,7 +287,8 @@ class AgentLoop:
         waiting: dict[int, dict] = {}            # group -> {row: [futures]}
         created: set = set()
         t_run = time.perf_counter()
-        if self.stream is not None:
+        if self.stream is not None and self.tools is not None and TOOL_AGENT in agents:
+            self.stats["streamed"] = True
             try:
                 self._run_streamed(trajs, tools_kwargs, keys, seed, created)
             finally:

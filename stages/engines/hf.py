@@ -5,7 +5,11 @@ Reproducibility: a replica's rows are cut into generation batches of a FIXED siz
 from (engine seed, replica, batch) before each batch, so the same seed gives the same tokens in any
 process, whether the engine was just started or has served earlier steps. New weights are copied
 into the loaded model in place (load_weights: safetensors -> load_state_dict), so a run loads the
-model once; on a GPU, sleep() moves it to host memory while the update trains."""
+model once; on a GPU, sleep() moves it to host memory while the update trains.
+
+stream() is the multi-turn agent loop's continuous batch (StreamBatch): rows join and leave at any
+decode step, each row's KV cache kept in one left-padded cache, each row sampled from its own seed
+and token index (sample_rows)."""
 from __future__ import annotations
 
 import time
@@ -67,9 +71,11 @@ def _generate_batch(model, rows, config, sampling: Sampling, eos_ids, device) ->
 
 class HFEngine(Engine):
     START_KEYS = ("dtype", "free_cache_engine")
+    STREAMS = True
 
     def __init__(self):
         self.model = None
+        self.batch: StreamBatch | None = None  # stream()'s running batch
         self.device = "cpu"
         self.eos_ids: list[int] = []
         self.pad_id = 0
@@ -159,6 +165,29 @@ class HFEngine(Engine):
                 bar.update(stop - start)
         return results
 
+    def stream(self, add, sampling: Sampling, max_steps: int | None = None, new_batch: bool = False) -> tuple[list, int]:
+        """Continuous batching across the agent loop's turns (stages.engines.agent_loop), as
+        VLLMEngine.stream: add the requests `add` [(key, prompt ids, seed, max new tokens)], then
+        step until one request or more has finished, or for max_steps steps; returns ([(key,
+        Generation)] of those, in key order, the steps taken). A request joins at the next step
+        (its context prefilled, its cache merged into the running batch) and leaves when it ends,
+        so no row waits for a round's slowest. Each row samples from its own seed and token index
+        (sample_rows), never from a shared RNG: which rows share a step changes only the float
+        sums. `new_batch`: rows left over from a batch that failed are dropped first."""
+        import torch
+
+        self.wake()
+        if new_batch or self.batch is None:
+            self.batch = StreamBatch(self.model, self.eos_ids, self.pad_id, self.device)
+        for key, ids, seed, max_new in add:
+            self.batch.add(key, ids, seed, max_new)
+        done, steps = [], 0
+        with torch.inference_mode():
+            while not done and self.batch.busy() and (max_steps is None or steps < max_steps):
+                steps += 1
+                done = self.batch.step(sampling)
+        return sorted(done, key=lambda item: item[0]), steps
+
     def sleep(self) -> None:
         if self.device == "cuda" and not self.asleep:
             import torch
@@ -173,4 +202,177 @@ class HFEngine(Engine):
             self.asleep = False
 
     def stop(self) -> None:
-        self.model = None
+        self.model = self.batch = None
+
+
+# ---- continuous batching for the agent loop (Engine.stream) --------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """lowbias32 (Chris Wellons' integer hash) on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_uniforms(seeds, counters):
+    """One uniform in [0, 1) per row from (the row's seed, its token index): a counter-based draw,
+    so a row samples the same way whichever rows share its batch (float64, 53 random bits)."""
+    import torch
+
+    x = _mix32((seeds * 0x9E3779B1 + counters * 0x85EBCA77 + 0x165667B1) & _M32)
+    y = _mix32(x ^ 0x27D4EB2F)
+    return ((x >> 5) * (1 << 26) + (y >> 6)).to(torch.float64) / float(1 << 53)
+
+
+def sample_rows(logits, sampling: Sampling, seeds, counters):
+    """The next token of each row (logits: (rows, vocab), float) as transformers' warpers pick it
+    (temperature, then top-k, then top-p), drawn by inverse CDF from row_uniforms: a function of
+    the row's own seed and token index only. Greedy: the arg max."""
+    import torch
+
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    scores = logits.double() / sampling.temperature
+    top_k = sampling.top_k if sampling.top_k > 0 else 0
+    if top_k or sampling.top_p < 1.0:
+        k = min(top_k or scores.shape[-1], scores.shape[-1])
+        scores, order = torch.topk(scores, k, dim=-1)  # descending
+        probs = torch.softmax(scores, dim=-1)
+        if sampling.top_p < 1.0:  # keep the smallest head whose mass reaches top_p (at least one)
+            before = torch.cumsum(probs, dim=-1) - probs
+            probs = probs.masked_fill(before >= sampling.top_p, 0.0)
+    else:
+        order, probs = None, torch.softmax(scores, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = row_uniforms(seeds, counters).unsqueeze(-1) * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
+    return pick if order is None else order.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+
+
+class _StreamRow:
+    __slots__ = ("key", "seed", "max_new", "ids", "tokens", "log_probs")
+
+    def __init__(self, key, ids, seed, max_new):
+        self.key, self.seed, self.max_new, self.ids = key, int(seed), int(max_new), list(ids)
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+
+
+class StreamBatch:
+    """The running batch of HFEngine.stream: each row's KV cache in one left-padded DynamicCache
+    (rows, heads, columns, head dim) with its attention mask. A step feeds every running row its
+    last sampled token (one forward), prefills the rows that join (one forward over their whole
+    context, left-padded) and merges their caches in, samples one token per row, and drops the
+    rows that finished (and the cache columns no row uses any more)."""
+
+    def __init__(self, model, eos_ids, pad_id: int, device):
+        self.model, self.eos, self.pad_id, self.device = model, set(eos_ids), int(pad_id), device
+        self.rows: list[_StreamRow] = []
+        self.joining: list[_StreamRow] = []
+        self.cache = None
+        self.mask = None     # (rows, columns) long: 1 where the cache holds a real token
+        self.lengths = None  # (rows,) real tokens in the cache per row
+
+    def add(self, key, ids, seed, max_new) -> None:
+        self.joining.append(_StreamRow(key, ids, seed, max_new))
+
+    def busy(self) -> bool:
+        return bool(self.rows or self.joining)
+
+    def step(self, sampling: Sampling) -> list:
+        """One engine step; returns [(key, Generation)] of the rows that finished in it."""
+        import torch
+
+        parts = []
+        if self.rows:
+            last = torch.tensor([[r.tokens[-1]] for r in self.rows], dtype=torch.long)
+            self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], dim=1)
+            out = self.model(input_ids=last.to(self.device), attention_mask=self.mask.to(self.device),
+                             position_ids=self.lengths.unsqueeze(-1).to(self.device), past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=1)
+            self.lengths = self.lengths + 1
+            parts.append(out.logits[:, -1, :])
+        if self.joining:
+            parts.append(self._join())
+        logits = (parts[0] if len(parts) == 1 else torch.cat(parts)).float().cpu()
+        seeds = torch.tensor([r.seed for r in self.rows], dtype=torch.long)
+        counters = torch.tensor([len(r.tokens) for r in self.rows], dtype=torch.long)
+        tokens = sample_rows(logits, sampling, seeds, counters).tolist()
+        lps = None
+        if sampling.log_probs:  # raw logits / temperature, as the logprob stage scores them
+            temp = 1.0 if sampling.greedy else sampling.temperature
+            lps = torch.log_softmax(logits / temp, dim=-1).gather(
+                -1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
+        done, keep = [], []
+        for i, (row, tok) in enumerate(zip(self.rows, tokens)):
+            row.tokens.append(int(tok))
+            if lps is not None:
+                row.log_probs.append(float(lps[i]))
+            if int(tok) in self.eos or len(row.tokens) >= row.max_new:
+                done.append((row.key, finish(row.tokens, list(self.eos), row.max_new,
+                                             row.log_probs if lps is not None else None)))
+            else:
+                keep.append(i)
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+        return done
+
+    def _join(self):
+        """Prefill the joining rows and merge their caches into the running batch; returns their
+        last-position logits."""
+        import torch
+        from transformers import DynamicCache
+
+        new, self.joining = self.joining, []
+        ids, mask = _left_pad([r.ids for r in new], self.pad_id)
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        lengths = mask.sum(-1)
+        if self.cache is None or not self.rows:
+            self.cache, self.mask, self.lengths = cache, mask, lengths
+        else:
+            width = max(self.mask.shape[1], mask.shape[1])
+            for mine, theirs in zip(self.cache.layers, cache.layers):
+                mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
+                mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
+            self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
+            self.lengths = torch.cat([self.lengths, lengths])
+        self.rows += new
+        return out.logits[:, -1, :]
+
+    def _keep(self, keep: list) -> None:
+        """Only the rows `keep` (indices) go on; cache columns no remaining row uses are dropped."""
+        import torch
+
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.mask = self.lengths = None
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        self.mask, self.lengths = self.mask[index], self.lengths[index]
+        unused = int(self.mask.shape[1] - self.lengths.max())  # left columns padding in every row
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index.to(layer.keys.device), :, unused:]
+            layer.values = layer.values[index.to(layer.values.device), :, unused:]
+        self.mask = self.mask[:, unused:]
+
+
+def _pad_left(t, width: int):
+    """`t` (rows, ...) with its column axis (dim 2 of a cache tensor, dim 1 of a mask) left-padded
+    with zeros to `width`."""
+    import torch
+
+    axis = 1 if t.dim() == 2 else 2
+    extra = width - t.shape[axis]
+    if extra <= 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = extra
+    return torch.cat([t.new_zeros(shape), t], dim=axis)

@@ -113,9 +113,8 @@ class RolloutEngines:
 
     def streams(self, engine: str, options: EngineOptions) -> bool:
         """Whether the agent loop can batch continuously across turns (Engine.stream): an engine
-        that streams, one replica, in a resident worker process."""
-        return (self.resident and engine_class(engine).STREAMS and max(1, options.num_replicas) == 1
-                and not (engine == "hf" and in_process_resident([make_spec(options, engine, 0, 1)])))
+        that streams, one replica, resident (a worker process, or hf in this process)."""
+        return self.resident and engine_class(engine).STREAMS and max(1, options.num_replicas) == 1
 
     def stream(self, engine: str, add: list, sampling: Sampling, options: EngineOptions, first: bool,
                max_steps: int | None = None) -> tuple[list, int]:
@@ -131,6 +130,20 @@ class RolloutEngines:
         spec = self.slot_spec(make_spec(options, engine, 0, 1))
         if first:
             check_rows([ids for _, ids, _, _ in add], [seed for _, _, seed, _ in add], options.model_dir)
+        if engine == "hf" and in_process_resident([spec]):  # in this process (_in_process's engine)
+            import torch
+
+            local = self._local_engine(spec, options.weights_version, timings) if first else self.local[1]
+            threads = torch.get_num_threads()
+            torch.set_num_threads(spec.threads)
+            t0 = time.perf_counter()
+            try:
+                done, steps = local.stream(add, sampling, max_steps, first)
+            finally:
+                torch.set_num_threads(threads)
+            timings["generate_s"] += round(time.perf_counter() - t0, 4)
+            return done, steps
+        if first:
             self._launch(spec)
             self._settle(spec, timings, spec.model_dir, options.weights_version)
         reply = self.workers[spec.replica].call("stream", {"add": add, "sampling": dict(sampling.__dict__),
@@ -262,20 +275,7 @@ class RolloutEngines:
         import torch
 
         timings = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0}
-        key = specs[0].restart_key()
-        if self.local is not None and self.local[0] != key:  # other settings: a new engine
-            self.local[1].stop()
-            self.local, self.warm_start = None, None
-        if self.local is None:
-            self.warm_start = self._start_local(specs[0])
-        if self.warm_start is not None:  # started by this call or by warm_up before it
-            timings["engine_start_s"], timings["started"] = self.warm_start["engine_start_s"], 1
-            self.warm_start = None
-        key, engine, loaded = self.local
-        if needs_load(loaded, self.local_version, specs[0].model_dir, options.weights_version):
-            self.local_version = None
-            timings["load_weights_s"] = engine.load_weights(specs[0].model_dir)["load_weights_s"]
-            self.local, self.local_version = (key, engine, specs[0].model_dir), options.weights_version
+        engine = self._local_engine(specs[0], options.weights_version, timings)
         threads = torch.get_num_threads()
         torch.set_num_threads(self.slot_spec(specs[0]).threads)
         results: list[Generation] = [None] * len(prompt_ids)
@@ -296,6 +296,25 @@ class RolloutEngines:
                                 "generate_s": round(sum(r["generate_s"] for r in replicas), 4),
                                 "wall_s": round(time.perf_counter() - t0, 4)})
         return results
+
+    def _local_engine(self, spec, version, timings: dict):
+        """The engine in this process, started (other settings: restarted) and holding the
+        weights `version` of spec.model_dir; timings get engine_start_s, started, load_weights_s."""
+        key = spec.restart_key()
+        if self.local is not None and self.local[0] != key:  # other settings: a new engine
+            self.local[1].stop()
+            self.local, self.warm_start = None, None
+        if self.local is None:
+            self.warm_start = self._start_local(spec)
+        if self.warm_start is not None:  # started by this call or by warm_up before it
+            timings["engine_start_s"], timings["started"] = self.warm_start["engine_start_s"], 1
+            self.warm_start = None
+        key, engine, loaded = self.local
+        if needs_load(loaded, self.local_version, spec.model_dir, version):
+            self.local_version = None
+            timings["load_weights_s"] = engine.load_weights(spec.model_dir)["load_weights_s"]
+            self.local, self.local_version = (key, engine, spec.model_dir), version
+        return engine
 
     # ---- between steps and at the end ---------------------------------------------------------
     def sleep(self) -> None:
