@@ -113,9 +113,13 @@ class S3Backend(Backend):
             k, _, s = creds.partition(":")
             key, secret = key or k or None, secret or s or None
         client_kwargs = {"region_name": region} if region else None  # never defaulted: moto
+        retries = settings.get("s3_retries")
+        config_kwargs = {} if retries is None else {"retries": {"total_max_attempts": int(retries) + 1}}
         fs = s3fs.S3FileSystem(key=key, secret=secret, endpoint_url=endpoint,
-                               client_kwargs=client_kwargs, use_listings_cache=False,
-                               skip_instance_cache=True)
+                               client_kwargs=client_kwargs, config_kwargs=config_kwargs,
+                               use_listings_cache=False, skip_instance_cache=True)
+        if retries is not None:
+            fs.retries = int(retries) + 1  # s3fs's attempts of a call (its own backoff between them)
         return cls(rest.rstrip("/"), fs), (key, secret)
 
     def write_atomic(self, path: str, data: bytes) -> None:

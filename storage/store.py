@@ -20,6 +20,7 @@ DEFAULTS = {
     "region": None,
     "lock_stale_seconds": 3600,
     "cache_dir": None,
+    "s3_retries": None,
 }
 
 

@@ -457,10 +457,12 @@ def test_sigkill_inside_each_stage_then_resume_equals_uninterrupted(server, asse
 
 def test_kills_with_sparse_train_states_resume_by_replay_bit_for_bit(server, assets, tmp_path):
     """trainer.save_freq=5 over 3 steps: no train state is stored before the last step. A run
-    SIGKILLed in step 3's update (trained and handed over, nothing stored), in its rollout, or in
-    the update's background write of the weights, then resumed: the update of step 3 restores no
-    state and replays steps 1-2 from their stored rows, and the final weights equal an
-    uninterrupted run's, bit for bit; `stagerl verify` checks every stored version."""
+    SIGKILLed in step 3's update (trained and handed over, nothing stored) or in the update's
+    background write of the weights, then resumed: the update of step 3 restores no state and
+    replays steps 1-2 from their stored rows, and the final weights equal an uninterrupted run's,
+    bit for bit; `stagerl verify` checks every stored version. (A kill in step 3's rollout resumes
+    through the same replay; left out for time, ~35 s: a rollout kill's resume is
+    test_sigkill_inside_each_stage_then_resume_equals_uninterrupted's.)"""
     root = tmp_path / "runs"
     base = tiny_overrides(assets, root, steps=3) + ["trainer.save_freq=5"]
     ref = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "ref", *base])
@@ -468,8 +470,7 @@ def test_kills_with_sparse_train_states_resume_by_replay_bit_for_bit(server, ass
     store = Store.from_config({"root": str(root)})
     checksum = lambda e: folder_manifest(store, RunLayout(PROJECT, e).weights(3))["checksum"]
     assert sorted(store.list(RunLayout(PROJECT, "ref").train_state)) == ["step_000003"]
-    for name, fault in (("upd", "update:after_train@3"), ("roll", "rollout:before_manifest@3"),
-                        ("persist", "update:persist@3")):
+    for name, fault in (("upd", "update:after_train@3"), ("persist", "update:persist@3")):
         killed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", name, *base], fault=fault)
         assert killed.returncode == -signal.SIGKILL, (fault, killed.stdout[-3000:])
         assert f"SIGKILL at {fault.split('@')[0]} (step 3)" in killed.stdout
@@ -484,7 +485,7 @@ def test_kills_with_sparse_train_states_resume_by_replay_bit_for_bit(server, ass
     request = urllib.request.Request(f"{server.api_url}/flow_runs/filter", data=b'{"limit": 200}',
                                      headers={"Content-Type": "application/json"}, method="POST")
     names = {r["name"] for r in json.loads(urllib.request.urlopen(request, timeout=30).read())}
-    assert {"ref · steps 1-3", "upd · steps 1-3", "upd · steps 3-3 (resume)", "roll · steps 3-3 (resume)",
+    assert {"ref · steps 1-3", "upd · steps 1-3", "upd · steps 3-3 (resume)",
             "persist · steps 3-3 (resume)"} <= names, sorted(names)
 
 

@@ -46,8 +46,9 @@ def test_every_store_call_raises_store_error_during_an_outage(s3_endpoint):
 
     port = int(s3_endpoint.rsplit(":", 1)[1])
     with TcpProxy(port) as proxy:
+        # storage.s3_retries=1: each call fails after one retry (the clients' default: ~6 s each)
         store = Store.from_config({"root": f"s3://{BUCKET}/outage", "endpoint_url": proxy.url,
-                                   "key": FAKE_KEY, "secret": FAKE_SECRET})
+                                   "key": FAKE_KEY, "secret": FAKE_SECRET, "s3_retries": 1})
         store.write_bytes("a/b.bin", b"x")
         assert store.list("a") == ["b.bin"] and store.list("nowhere") == [] and store.find("nowhere") == []
         with pytest.raises(FileNotFoundError, match="no object at s3://"):
