@@ -33,9 +33,10 @@ install: $(STAMP) $(DS_OP)
 
 # Two test workers (pytest-xdist), one test file each at a time: module-scoped Prefect servers and
 # runs stay in one worker; most tests wait on subprocesses, so 2 workers fit this 2-core machine.
+# --durations: the slowest tests in the log, to keep CI's 30 minutes in view.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 demo: install
 	$(PY) -m flows.demo

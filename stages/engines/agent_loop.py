@@ -28,8 +28,7 @@ nothing past the cut is sampled. The tokens kept are distributed alike.
 
 Determinism and overlap. Trajectories are cut into fixed groups of consecutive rows
 (`group_rows`: the hf engine's generation batch); a group's next assistant turn is one engine call
-over its rows still running, seeded from (seed, group, round) (hf: the batch's RNG; vLLM: a seed
-per row from (seed, row, round)). So which rows share a call, and every seed, is a function of the
+over its rows still running, each row seeded from (seed, row, round). So which rows share a call, and every seed, is a function of the
 data, never of timing: the same seed gives the same trajectories, with tools fast or slow. While
 a group's tools run the engine generates the next turn of any other group whose tools have
 returned; a group waits only for its own rows' tools. With one group (a batch smaller than
@@ -41,10 +40,9 @@ batch is one continuous batch. A row whose turn ends leaves it, its tools run wh
 generating for multi_turn.tool_overlap_steps engine steps, and its next turn then joins the running
 batch, so no row waits for a round's slowest. The engine waits at that step for tools still running
 (with 0 steps, at once): which rows share an engine step is a function of the tokens, never of
-timing. The seeds are the rounds' (seed, row, turn), so with vLLM's per-request seeds a row samples
-the same tokens either way; hf's stream draws each row's tokens from that seed and the token's
-index (stages.engines.hf.sample_rows), so it samples other tokens than hf's rounds (one RNG per
-generation batch), equal ones when greedy.
+timing. The seeds are the rounds' (seed, row, turn), and both engines sample a row from its own
+seed (vLLM's per-request seeds; hf's stages.engines.hf.sample_rows), so a row samples the same
+tokens either way (up to float sums that depend on the batch).
 
     loop = AgentLoop(generate, tokenizer, tools, LoopSettings.from_rollout(rollout, response_length), sampling)
     trajectories = loop.run(prompt_ids, agents, tools_kwargs, keys, seed=..., group_rows=...)

@@ -1,15 +1,18 @@
-"""The transformers engine: `model.generate`, batched with left padding.
+"""The transformers engine: its own continuous-batching decode loop over a transformers model.
 
-Reproducibility: a replica's rows are cut into generation batches of a FIXED size
-(actor_rollout_ref.rollout.hf_generate_batch_size prompts × n rows) and torch's RNG is reseeded
-from (engine seed, replica, batch) before each batch, so the same seed gives the same tokens in any
-process, whether the engine was just started or has served earlier steps. New weights are copied
-into the loaded model in place (load_weights: safetensors -> load_state_dict), so a run loads the
-model once; on a GPU, sleep() moves it to host memory while the update trains.
+StreamBatch keeps every running row's KV cache in one left-padded cache: rows join at any decode
+step (their context prefilled, their cache merged in) and leave as soon as they end, so no row
+waits for the longest of a static batch (transformers' `generate` decodes every row until the last
+one stops). generate() runs a call's rows through it with at most hf_generate_batch_size prompts × n
+rows decoding at once, a row that ends handing its place to the next; stream() is the multi-turn
+agent loop's continuous batch across turns.
 
-stream() is the multi-turn agent loop's continuous batch (StreamBatch): rows join and leave at any
-decode step, each row's KV cache kept in one left-padded cache, each row sampled from its own seed
-and token index (sample_rows)."""
+Reproducibility: each row samples from its own seed and token index (sample_rows: a counter-based
+uniform, inverse CDF after transformers' temperature / top-k / top-p), never from a shared RNG, so
+the same seeds give the same tokens whichever rows share a step, in any process, whether the engine
+was just started or has served earlier steps; greedy rows equal `generate`'s. New weights are
+copied into the loaded model in place (load_weights: safetensors -> load_state_dict), so a run
+loads the model once; on a GPU, sleep() moves it to host memory while the update trains."""
 from __future__ import annotations
 
 import time
@@ -17,28 +20,6 @@ from pathlib import Path
 
 from stages.engines import Engine, EngineSpec, Generation, Sampling, derive_seed, eos_token_ids, finish
 from stages.progress import progress
-
-
-def _generation_config(model, sampling: Sampling, eos_ids: list[int], pad_id: int):
-    import copy
-
-    config = copy.deepcopy(model.generation_config)
-    config.max_new_tokens = sampling.max_new_tokens
-    config.min_new_tokens = None
-    config.max_length = None
-    config.eos_token_id = eos_ids
-    config.pad_token_id = pad_id
-    config.num_return_sequences = 1
-    config.num_beams = 1
-    if sampling.greedy:
-        config.do_sample = False
-        config.temperature, config.top_p, config.top_k = None, None, None
-    else:
-        config.do_sample = True
-        config.temperature = sampling.temperature
-        config.top_p = sampling.top_p
-        config.top_k = sampling.top_k if sampling.top_k > 0 else 0  # 0: no top-k warper
-    return config
 
 
 def _left_pad(rows: list[list[int]], pad_id: int):
@@ -50,23 +31,6 @@ def _left_pad(rows: list[list[int]], pad_id: int):
     mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]  # each row's last len(r) cells
     ids[mask] = torch.tensor([t for r in rows for t in r], dtype=torch.long)  # row-major: in order
     return ids, mask.long()
-
-
-def _generate_batch(model, rows, config, sampling: Sampling, eos_ids, device) -> list[Generation]:
-    import torch
-
-    ids, mask = _left_pad(rows, config.pad_token_id)
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                         return_dict_in_generate=True, output_logits=sampling.log_probs)
-    new_tokens = out.sequences[:, ids.shape[1]:].cpu()
-    log_probs = None
-    if sampling.log_probs:
-        # Raw logits / temperature (as the logprob stage scores them); greedy uses temperature 1.
-        temp = 1.0 if sampling.greedy else sampling.temperature
-        logits = torch.stack(out.logits, dim=1).float().cpu() / temp  # (rows, steps, vocab)
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-    return [finish(new_tokens[i].tolist(), eos_ids, sampling.max_new_tokens,
-                   None if log_probs is None else log_probs[i].tolist()) for i in range(len(rows))]
 
 
 class HFEngine(Engine):
@@ -147,22 +111,29 @@ class HFEngine(Engine):
 
     def generate(self, prompt_ids, seeds, sampling: Sampling, replica: int, step_seed: int,
                  rollout: dict) -> list[Generation]:
+        """One Generation per row, row i sampled from seeds[i] (None: seeds from (step_seed,
+        replica, row)); at most hf_generate_batch_size prompts × n rows decode at once, in row order."""
         import torch
 
         batch_prompts = int(rollout.get("hf_generate_batch_size") or 64)
         if batch_prompts < 1:
             raise ValueError(f"actor_rollout_ref.rollout.hf_generate_batch_size must be >= 1, got {batch_prompts}")
         self.wake()
-        config = _generation_config(self.model, sampling, self.eos_ids, self.pad_id)
-        rows_per_batch = batch_prompts * sampling.n
-        results: list[Generation] = []
+        if seeds is None:
+            seeds = [derive_seed(step_seed, replica, row) for row in range(len(prompt_ids))]
+        room = batch_prompts * sampling.n
+        batch = StreamBatch(self.model, self.eos_ids, self.pad_id, self.device)
+        results: list[Generation] = [None] * len(prompt_ids)
+        waiting = 0  # the next row to join
         with torch.inference_mode(), progress("generate", total=len(prompt_ids), unit="seq") as bar:
-            for batch, start in enumerate(range(0, len(prompt_ids), rows_per_batch)):
-                stop = min(start + rows_per_batch, len(prompt_ids))
-                torch.manual_seed(derive_seed(step_seed, replica, batch))
-                results += _generate_batch(self.model, prompt_ids[start:stop], config, sampling,
-                                           self.eos_ids, self.device)
-                bar.update(stop - start)
+            while waiting < len(prompt_ids) or batch.busy():
+                while waiting < len(prompt_ids) and batch.running() < room:
+                    batch.add(waiting, prompt_ids[waiting], seeds[waiting], sampling.max_new_tokens)
+                    waiting += 1
+                done = batch.step(sampling)
+                for row, gen in done:
+                    results[row] = gen
+                bar.update(len(done))
         return results
 
     def stream(self, add, sampling: Sampling, max_steps: int | None = None, new_batch: bool = False) -> tuple[list, int]:
@@ -282,6 +253,9 @@ class StreamBatch:
 
     def busy(self) -> bool:
         return bool(self.rows or self.joining)
+
+    def running(self) -> int:
+        return len(self.rows) + len(self.joining)
 
     def step(self, sampling: Sampling) -> list:
         """One engine step; returns [(key, Generation)] of the rows that finished in it."""

@@ -80,7 +80,7 @@ class RolloutEngines:
         shares = replica_shares(len(prompt_ids), sampling.n, options.num_replicas, options.prompts_per_replica)
         specs = [make_spec(options, engine, r, len(shares)) for r in range(len(shares))]
         if engine == "hf" and (not self.resident or in_process_resident(specs)):
-            return self._in_process(specs, shares, prompt_ids, sampling, options, t0)
+            return self._in_process(specs, shares, prompt_ids, row_seeds, sampling, options, t0)
         timings = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0, "replicas": []}
         slots = [self.slot_spec(spec) for spec in specs]
         try:
@@ -267,7 +267,7 @@ class RolloutEngines:
                 worker.loaded, worker.version = str(folder), version
         return took
 
-    def _in_process(self, specs, shares, prompt_ids, sampling, options, t0) -> list[Generation]:
+    def _in_process(self, specs, shares, prompt_ids, row_seeds, sampling, options, t0) -> list[Generation]:
         """hf in this process: every replica in turn, with the threads a worker process would
         have (float sums depend on the thread count, so the rows equal a worker's bit for bit).
         Resident (in_process_resident), the engine is kept and takes new weights in place;
@@ -284,7 +284,7 @@ class RolloutEngines:
             for spec, share in zip(specs, shares):
                 t = time.perf_counter()
                 results[share.start:share.stop] = engine.generate(
-                    prompt_ids[share.start:share.stop], None, sampling, spec.replica,
+                    prompt_ids[share.start:share.stop], row_seeds[share.start:share.stop], sampling, spec.replica,
                     int(options.step_seed), dict(options.rollout))
                 replicas.append({"replica": spec.replica, "rows": len(share),
                                  "generate_s": round(time.perf_counter() - t, 4)})
