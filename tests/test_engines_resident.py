@@ -190,6 +190,48 @@ def test_hf_stream_rows_join_and_leave_and_sample_from_their_own_seeds(models):
     assert reseeded.response_ids != at_once[0].response_ids  # the seed matters
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_later_turn_prefills_only_its_new_tokens_over_the_kept_cache(models, greedy):
+    """The agent loop's stream keeps a finished row's cache (StreamBatch keep_finished): its next
+    turn, whose context extends it (the turn's tokens, then tool tokens), prefills only the new
+    tokens, joining at different steps; it samples exactly what a full prefill of the context does."""
+    import torch
+
+    from stages.engines import EngineSpec
+    from stages.engines.hf import HFEngine, StreamBatch
+
+    engine = HFEngine()
+    engine.start(EngineSpec(engine="hf", model_dir=str(models[0]), rollout=()))
+    prompts = [[1, 5, 9, 13, 20 + p] + [30 + p] * (p % 3) for p in range(6)]
+    sampling = Sampling(do_sample=not greedy, temperature=1.0)
+
+    def two_turns(keep: bool):
+        batch = StreamBatch(engine.model, engine.eos_ids, engine.pad_id, "cpu", keep_finished=keep)
+        first, second = {}, {}
+        with torch.inference_mode():
+            for i, p in enumerate(prompts):
+                batch.add(i, p, derive_seed(1, i), 6 + i)
+            while batch.busy():
+                first.update({k: g.response_ids for k, g in batch.step(sampling)})
+            kept, before = len(batch.kept), batch.prefilled
+            for i in range(6):  # rows 0-2 rejoin at once, rows 3-5 two steps later
+                tool = [40, 41, 42 + i] + [43] * (i // 3)
+                batch.add(i, prompts[i] + first[i] + tool, derive_seed(2, i), 7)
+                if i == 2:
+                    for _ in range(2):
+                        second.update({k: g.response_ids for k, g in batch.step(sampling)})
+            while batch.busy():
+                second.update({k: g.response_ids for k, g in batch.step(sampling)})
+        return first, second, kept, batch.prefilled - before
+
+    kept_first, kept_second, kept, kept_prefill = two_turns(keep=True)
+    full_first, full_second, none, full_prefill = two_turns(keep=False)
+    assert kept_first == full_first and kept_second == full_second
+    assert kept == 6 and none == 0
+    assert kept_prefill == sum(4 + i // 3 for i in range(6))  # the last sampled token + the tool tokens
+    assert full_prefill == sum(len(prompts[i]) + len(full_first[i]) + 3 + i // 3 for i in range(6))
+
+
 def transformers_greedy(engine, prompt, max_new) -> list:
     """`model.generate` of one prompt, greedy, cut after its first EOS."""
     import torch

@@ -149,7 +149,7 @@ class HFEngine(Engine):
 
         self.wake()
         if new_batch or self.batch is None:
-            self.batch = StreamBatch(self.model, self.eos_ids, self.pad_id, self.device)
+            self.batch = StreamBatch(self.model, self.eos_ids, self.pad_id, self.device, keep_finished=True)
         for key, ids, seed, max_new in add:
             self.batch.add(key, ids, seed, max_new)
         done, steps = [], 0
@@ -234,14 +234,23 @@ class _StreamRow:
 
 
 class StreamBatch:
-    """The running batch of HFEngine.stream: each row's KV cache in one left-padded DynamicCache
-    (rows, heads, columns, head dim) with its attention mask. A step feeds every running row its
-    last sampled token (one forward), prefills the rows that join (one forward over their whole
-    context, left-padded) and merges their caches in, samples one token per row, and drops the
-    rows that finished (and the cache columns no row uses any more)."""
+    """The running batch of HFEngine.stream and generate: each row's KV cache in one left-padded
+    DynamicCache (rows, heads, columns, head dim) with its attention mask. A step feeds every
+    running row its last sampled token (one forward), prefills the rows that join (one forward)
+    and merges their caches in, samples one token per row, and drops the rows that finished (and
+    the cache columns no row uses any more).
 
-    def __init__(self, model, eos_ids, pad_id: int, device):
+    `keep_finished` (the agent loop's stream): a finished row's cache is kept under its key, and
+    when a request of that key joins again with a context that extends it (the turn's tokens, then
+    the tool response), only the new tokens are prefilled over the kept cache, so a later turn
+    never prefills its whole context again. The mask then has holes (the kept cache's padding
+    before the new tokens); positions count real tokens only."""
+
+    def __init__(self, model, eos_ids, pad_id: int, device, keep_finished: bool = False):
         self.model, self.eos, self.pad_id, self.device = model, set(eos_ids), int(pad_id), device
+        self.keep_finished = keep_finished
+        self.kept: dict = {}  # key -> (the ids its cache holds, [(keys, values)] per layer: (1, heads, len, dim))
+        self.prefilled = 0  # context tokens fed through prefills (a join over a kept cache: only the new ones)
         self.rows: list[_StreamRow] = []
         self.joining: list[_StreamRow] = []
         self.cache = None
@@ -289,6 +298,11 @@ class StreamBatch:
             if int(tok) in self.eos or len(row.tokens) >= row.max_new:
                 done.append((row.key, finish(row.tokens, list(self.eos), row.max_new,
                                              row.log_probs if lps is not None else None)))
+                if self.keep_finished:  # its cache holds its ids and all its tokens but the last
+                    real = self.mask[i].bool()
+                    self.kept[row.key] = (row.ids + row.tokens[:-1],
+                                          [(layer.keys[i:i + 1, :, real], layer.values[i:i + 1, :, real])
+                                           for layer in self.cache.layers])
             else:
                 keep.append(i)
         if len(keep) < len(self.rows):
@@ -296,19 +310,54 @@ class StreamBatch:
         return done
 
     def _join(self):
-        """Prefill the joining rows and merge their caches into the running batch; returns their
-        last-position logits."""
+        """Prefill the joining rows (over their kept caches where they extend one) and merge their
+        caches into the running batch; returns their last-position logits, in joining order."""
         import torch
         from transformers import DynamicCache
 
         new, self.joining = self.joining, []
-        ids, mask = _left_pad([r.ids for r in new], self.pad_id)
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        cache = DynamicCache()
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
-        lengths = mask.sum(-1)
+        resumed = []  # (row, its kept cache), prefilled from the end of that cache
+        fresh = []
+        for row in new:
+            kept = self.kept.pop(row.key, None)
+            if kept is not None and len(row.ids) > len(kept[0]) and row.ids[:len(kept[0])] == kept[0]:
+                resumed.append((row, kept[1]))
+            else:
+                fresh.append(row)
+        logits = []
+        if fresh:
+            ids, mask = _left_pad([r.ids for r in fresh], self.pad_id)
+            positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+            cache = DynamicCache()
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+            self._merge(cache, mask, mask.sum(-1), fresh)
+            self.prefilled += int(mask.sum())
+            logits.append(out.logits[:, -1, :])
+        if resumed:
+            width = max(kv[0][0].shape[2] for _, kv in resumed)
+            cache = DynamicCache()
+            for layer in range(len(resumed[0][1])):
+                cache.update(torch.cat([_pad_left(kv[layer][0], width) for _, kv in resumed]),
+                             torch.cat([_pad_left(kv[layer][1], width) for _, kv in resumed]), layer)
+            past = torch.cat([_pad_left(torch.ones(1, kv[0][0].shape[2], dtype=torch.long), width) for _, kv in resumed])
+            held = past.sum(-1)
+            ids, mask = _left_pad([row.ids[int(n):] for (row, _), n in zip(resumed, held)], self.pad_id)
+            positions = (held.unsqueeze(-1) + mask.cumsum(-1) - 1).clamp_(min=0)
+            full = torch.cat([past, mask], dim=1)
+            out = self.model(input_ids=ids.to(self.device), attention_mask=full.to(self.device),
+                             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+            self._merge(cache, full, full.sum(-1), [row for row, _ in resumed])
+            self.prefilled += int(mask.sum())
+            logits.append(out.logits[:, -1, :])
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _merge(self, cache, mask, lengths, rows) -> None:
+        """Append rows (their cache, mask and real lengths) to the running batch."""
+        import torch
+
         if self.cache is None or not self.rows:
             self.cache, self.mask, self.lengths = cache, mask, lengths
         else:
@@ -318,8 +367,7 @@ class StreamBatch:
                 mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
             self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
             self.lengths = torch.cat([self.lengths, lengths])
-        self.rows += new
-        return out.logits[:, -1, :]
+        self.rows += rows
 
     def _keep(self, keep: list) -> None:
         """Only the rows `keep` (indices) go on; cache columns no remaining row uses are dropped."""
@@ -331,7 +379,7 @@ class StreamBatch:
             return
         index = torch.tensor(keep, dtype=torch.long)
         self.mask, self.lengths = self.mask[index], self.lengths[index]
-        unused = int(self.mask.shape[1] - self.lengths.max())  # left columns padding in every row
+        unused = int(self.mask.argmax(dim=1).min())  # left columns no remaining row uses
         for layer in self.cache.layers:
             layer.keys = layer.keys[index.to(layer.keys.device), :, unused:]
             layer.values = layer.values[index.to(layer.values.device), :, unused:]
