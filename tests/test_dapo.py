@@ -108,7 +108,9 @@ def test_dynamic_sampling_keeps_varied_groups_and_stores_every_answer(tmp_path, 
 
 
 def test_too_few_varied_groups_fails_with_the_counts(tmp_path, assets):
-    ctx = dapo_ctx(tmp_path, assets, reward_text=ZERO, extra=["algorithm.filter_groups.max_num_gen_batches=2"])
+    # every score 0 and no overlong penalty (it varies with the sampled lengths): no group varies
+    ctx = dapo_ctx(tmp_path, assets, reward_text=ZERO, extra=["algorithm.filter_groups.max_num_gen_batches=2",
+                                                              "reward_model.overlong_buffer.enable=false"])
     with pytest.raises(DynamicSamplingError, match=r"0 of data.train_batch_size=2 groups .* after 2 generation "
                                                    r"batches .*max_num_gen_batches=2"):
         rollout.run(ctx)
