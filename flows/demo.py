@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -109,4 +108,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flows.cli import finish_process  # exit skipping the native teardown (see there)
+
+    finish_process(main() or 0)

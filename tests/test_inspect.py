@@ -344,3 +344,34 @@ def test_logprob_section_before_the_update_stored_old_log_probs(tmp_path):
     write_table(store, layout, 1, "logprob", make_table("logprob", {"ref_log_probs": [[-1.0, -2.0]]}), fingerprint="l")
     metrics = logprob_metrics(RunView(store, layout), 1)["metrics"]
     assert metrics["old_log_prob/token_mean"] is None and "kl_old_ref_k1/token_mean" not in metrics
+
+
+EXIT_PROBE = """
+import atexit, ctypes, sys
+libc = ctypes.CDLL(None)
+libc.on_exit(ctypes.cast(libc.abort, ctypes.c_void_p), None)  # a C-level exit handler that aborts,
+atexit.register(lambda: print("python atexit ran", flush=True))  # as a native pool's teardown can
+from flows.cli import entry, main
+root, how = sys.argv[1:]
+sys.argv = ["stagerl", "inspect", "demo", "--root", root]
+entry() if how == "entry" else sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_stagerl_command_exits_before_the_native_teardown(run, tmp_path):
+    """A finished command exits with its own code even when C-level teardown would abort (Arrow's
+    parquet thread pools did, intermittently: exit 134 after `stagerl inspect` printed its table):
+    flows.cli.entry joins Python threads, runs atexit handlers, flushes, and skips the C exit."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    scripts = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
+    assert scripts["stagerl"] == "flows.cli:entry"
+    probe = tmp_path / "probe.py"
+    probe.write_text(EXIT_PROBE)
+    done = subprocess.run([sys.executable, str(probe), str(run), "entry"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "complete" in done.stdout and done.stdout.rstrip().endswith("python atexit ran"), done.stdout
+    plain = subprocess.run([sys.executable, str(probe), str(run), "plain"], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == -6 and "complete" in plain.stdout   # the probe bites a plain sys.exit

@@ -4,7 +4,12 @@ The options several commands share are added by flows/cli/args.py. Modules impor
 libraries (torch, transformers, prefect) inside their functions, so `stagerl plan` answers
 without loading a model framework."""
 import argparse
+import atexit
 import importlib
+import os
+import sys
+import threading
+import traceback
 
 from flows.cli.args import hydra_config
 
@@ -48,3 +53,39 @@ def main(argv=None) -> int:
         parser.error(problem)
     return int(args.func(args) or 0)
 
+
+
+def entry() -> None:
+    """The `stagerl` console command (and `python -m flows.cli`): main(), then finish_process.
+    main() stays a plain function for callers in a process of their own (tests, notebooks)."""
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's usage errors (2), --help (0)
+        code = exc.code
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001  (printed as Python would, then exit 1)
+        traceback.print_exc()
+        code = 1
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    finish_process(int(code or 0))
+
+
+def finish_process(code: int) -> None:
+    """Exit with `code` after everything Python-level that an exit does (non-daemon threads
+    joined, atexit handlers run, stdout and stderr flushed), skipping the C-level teardown that
+    follows it: native thread pools (Arrow's, reading parquet) can still be winding down there,
+    and a std::thread destroyed while joinable aborts a finished command with exit 134
+    ("terminate called without an active exception"; apache/arrow issues 34314, 39862)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`stagerl query ... | head`)
+            pass
+    os._exit(code)

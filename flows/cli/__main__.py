@@ -1,6 +1,4 @@
 """`python -m flows.cli ...`: the `stagerl` command."""
-import sys
+from flows.cli import entry
 
-from flows.cli import main
-
-sys.exit(main())
+entry()
