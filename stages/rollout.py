@@ -286,7 +286,11 @@ def _agent_loops(ctx, prompts, prompt_ids, uids, base: int, sampling: Sampling, 
                          LoopSettings.from_rollout(dict(ctx.get(ROLLOUT) or {}), sampling.max_new_tokens),
                          sampling, template_kwargs=template_kwargs,
                          stream=stream if engines.streams(engine, options) else None)
-        trajectories = loop.run(prompt_ids, agents, kwargs, keys, seed=base, group_rows=group_rows)
+        try:
+            trajectories = loop.run(prompt_ids, agents, kwargs, keys, seed=base, group_rows=group_rows)
+        finally:
+            if loop.stats["streamed"]:  # free the engine's turn caches before the other stages run
+                engines.end_stream(engine, options)
         for key in ("engine_start_s", "load_weights_s", "started", "notes"):
             if stream_timings.get(key):
                 timings[key] = stream_timings[key]

@@ -372,9 +372,16 @@ def test_rollout_stage_with_the_hf_engine_calls_the_calculator(tmp_path, taught,
     assert summary["llm_tokens"] + summary["tool_tokens"] == sum(cols["response_length"])
     # one continuous batch (HFEngine.stream): a call ends one turn or more, never a round's worth
     assert summary["streamed"] and summary["rounds"] == 3 and summary["engine_calls"] <= 8 * 3
-    # the same seed gives the same bytes; the same turns (but their measured latencies)
+    # the same seed gives the same bytes; the same turns (but their measured latencies); in a run
+    # the engine stays in this process and frees its turn caches when the batch is over
+    from stages.session import RunSession
+
     again = make_ctx(tmp_path / "b", (model, train, assets[2]), stage_overrides(config))
-    rollout.run(again)
+    with RunSession() as session:
+        again.session = session
+        rollout.run(again)
+        engines = session.engines()
+        assert engines.local is not None and not engines.workers and engines.local[1].batch is None
     assert rollout_bytes(again) == rollout_bytes(ctx)
     turns_again = read_file(again.store, again.layout, 1, "rollout", "rollout/turns.parquet").to_pydict()
     assert {k: v for k, v in turns_again.items() if k != "latency_s"} == {k: v for k, v in turns.items() if k != "latency_s"}

@@ -173,6 +173,7 @@ class Engine:
                          batching across requests added at any call: add [(key, prompt ids, seed,
                          max new tokens)], run the engine until one request or more has finished
                          (or max_steps steps), return those and the steps taken
+    end_stream()         the streamed batch is over: free what it holds (hf's kept turn caches)
     sleep() / wake()     free / retake device memory between steps (GPU; a no-op elsewhere)
     stop()               release everything
     process_env(spec, env)  the worker process's environment (devices, cores)
@@ -194,6 +195,9 @@ class Engine:
     def generate(self, prompt_ids, seeds, sampling: Sampling, replica: int, step_seed: int,
                  rollout: dict) -> list[Generation]:
         raise NotImplementedError
+
+    def end_stream(self) -> None:
+        pass
 
     def sleep(self) -> None:
         pass

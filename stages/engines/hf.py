@@ -159,6 +159,10 @@ class HFEngine(Engine):
                 done = self.batch.step(sampling)
         return sorted(done, key=lambda item: item[0]), steps
 
+    def end_stream(self) -> None:
+        """The agent loop's batch is over: drop its rows' kept turn caches (at real size, GBs)."""
+        self.batch = None
+
     def sleep(self) -> None:
         if self.device == "cuda" and not self.asleep:
             import torch

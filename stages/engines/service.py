@@ -19,6 +19,7 @@ engine with a single replica on a CPU is kept in the calling process (in_process
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -46,6 +47,20 @@ def needs_load(loaded, held, model_dir, version) -> bool:
                           f"not yet stored: {folder}), but the engine holds {held}: refusing to sample "
                           f"from another version")
     return True
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to n inside (an engine in this process computes with the
+    threads its worker process would have: float sums depend on the thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def in_process_resident(specs) -> bool:
@@ -131,16 +146,10 @@ class RolloutEngines:
         if first:
             check_rows([ids for _, ids, _, _ in add], [seed for _, _, seed, _ in add], options.model_dir)
         if engine == "hf" and in_process_resident([spec]):  # in this process (_in_process's engine)
-            import torch
-
             local = self._local_engine(spec, options.weights_version, timings) if first else self.local[1]
-            threads = torch.get_num_threads()
-            torch.set_num_threads(spec.threads)
             t0 = time.perf_counter()
-            try:
+            with torch_threads(spec.threads):
                 done, steps = local.stream(add, sampling, max_steps, first)
-            finally:
-                torch.set_num_threads(threads)
             timings["generate_s"] += round(time.perf_counter() - t0, 4)
             return done, steps
         if first:
@@ -150,6 +159,16 @@ class RolloutEngines:
                                                            "max_steps": max_steps, "new_batch": first})
         timings["generate_s"] += reply["generate_s"]
         return [(key, Generation(list(ids), reason, lps)) for key, ids, reason, lps in reply["rows"]], reply["steps"]
+
+    def end_stream(self, engine: str, options: EngineOptions) -> None:
+        """The agent loop's streamed batch is over (or failed): the engine frees what it held
+        for it, before the other stages run."""
+        spec = self.slot_spec(make_spec(options, engine, 0, 1))
+        if engine == "hf" and in_process_resident([spec]):
+            if self.local is not None:
+                self.local[1].end_stream()
+        elif spec.replica in self.workers and self.workers[spec.replica].alive():
+            self.workers[spec.replica].call("end_stream")
 
     @staticmethod
     def slot_spec(spec):
@@ -272,24 +291,20 @@ class RolloutEngines:
         have (float sums depend on the thread count, so the rows equal a worker's bit for bit).
         Resident (in_process_resident), the engine is kept and takes new weights in place;
         otherwise it is dropped after the call."""
-        import torch
-
         timings = {"engine_start_s": 0.0, "load_weights_s": 0.0, "started": 0}
         engine = self._local_engine(specs[0], options.weights_version, timings)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.slot_spec(specs[0]).threads)
         results: list[Generation] = [None] * len(prompt_ids)
         replicas = []
         try:
-            for spec, share in zip(specs, shares):
-                t = time.perf_counter()
-                results[share.start:share.stop] = engine.generate(
-                    prompt_ids[share.start:share.stop], row_seeds[share.start:share.stop], sampling, spec.replica,
-                    int(options.step_seed), dict(options.rollout))
-                replicas.append({"replica": spec.replica, "rows": len(share),
-                                 "generate_s": round(time.perf_counter() - t, 4)})
+            with torch_threads(self.slot_spec(specs[0]).threads):
+                for spec, share in zip(specs, shares):
+                    t = time.perf_counter()
+                    results[share.start:share.stop] = engine.generate(
+                        prompt_ids[share.start:share.stop], row_seeds[share.start:share.stop], sampling, spec.replica,
+                        int(options.step_seed), dict(options.rollout))
+                    replicas.append({"replica": spec.replica, "rows": len(share),
+                                     "generate_s": round(time.perf_counter() - t, 4)})
         finally:
-            torch.set_num_threads(threads)
             if not self.resident:
                 self.close()
         options.timings.update({**timings, "in_process": True, "replicas": replicas,

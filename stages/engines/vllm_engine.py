@@ -253,6 +253,12 @@ class VLLMEngine(Engine):
                     done.append((key, self._generation(out.outputs[0], sampling, max_new)))
         return sorted(done, key=lambda item: item[0]), steps
 
+    def end_stream(self) -> None:
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            engine.abort_request(list(self._streaming))
+        self._streaming = {}
+
     def _params(self, sampling: Sampling, seed, max_new: int):
         from vllm import SamplingParams
 

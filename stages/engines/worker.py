@@ -6,6 +6,7 @@
     worker.call("load", model_dir)          # new weights in place
     worker.call("generate", {...})          # [(response_ids, finish_reason, log_probs)], timings
     worker.call("stream", {...})            # Engine.stream: [(key, response_ids, finish_reason, log_probs)], steps
+    worker.call("end_stream")               # Engine.end_stream: the streamed batch is over
     worker.close()
 
 Messages are pickled (multiprocessing.connection over a socketpair passed as an inherited fd, so
@@ -165,6 +166,9 @@ def _handle(engine, op: str, arg):
                                     bool(arg.get("new_batch")))
         return engine, {"rows": [(key, g.response_ids, g.finish_reason, g.log_probs) for key, g in done],
                         "steps": steps, "generate_s": round(time.perf_counter() - t0, 4)}
+    if op == "end_stream":
+        engine.end_stream()
+        return engine, None
     if op == "decode":
         return engine, _tokenizer(engine).batch_decode(arg["ids"], skip_special_tokens=arg["skip_special_tokens"])
     if op == "sleep":

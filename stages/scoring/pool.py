@@ -308,9 +308,7 @@ class ScorerPool:
                 if outcome["error"] is not None:
                     counts[kind] += 1
                     if strict:
-                        raise RewardScoringError(
-                            f"reward scoring failed on row {index} "
-                            f"(data_source={rows[index].get('data_source')!r}): {outcome['error']}")
+                        raise scoring_failed(index, rows[index], outcome)
 
             if rows:
                 self._replace_idle_dead_workers()
@@ -324,9 +322,7 @@ class ScorerPool:
             missing = [i for i, r in enumerate(results) if r is None]
             if missing:  # a bug here, never the user's function: refuse rather than drop rows
                 raise RuntimeError(f"ScorerPool lost rows {missing[:20]} of {len(rows)}")
-        metrics = {"reward/errors": float(counts["errors"]), "reward/timeouts": float(counts["timeouts"]),
-                   "reward/rows": float(len(rows))}
-        return results, metrics  # type: ignore[return-value]
+        return results, scoring_metrics(counts["errors"], counts["timeouts"], len(rows))  # type: ignore[return-value]
 
     def _replace_idle_dead_workers(self) -> None:
         """A worker that ended between calls (killed from outside) must not be blamed on the first
@@ -445,7 +441,16 @@ def score_in_process(rows: Sequence[Mapping], fn_spec=None, strict: bool = False
         if outcome["error"] is not None:
             errors += 1
             if strict:
-                raise RewardScoringError(f"reward scoring failed on row {index} "
-                                         f"(data_source={row.get('data_source')!r}): {outcome['error']}")
+                raise scoring_failed(index, row, outcome)
         results.append(outcome)
-    return results, {"reward/errors": float(errors), "reward/timeouts": 0.0, "reward/rows": float(len(rows))}
+    return results, scoring_metrics(errors, 0, len(rows))
+
+
+def scoring_failed(index: int, row: Mapping, outcome: dict) -> RewardScoringError:
+    """strict scoring's error for a row that failed (ScorerPool.score, score_in_process)."""
+    return RewardScoringError(f"reward scoring failed on row {index} "
+                              f"(data_source={row.get('data_source')!r}): {outcome['error']}")
+
+
+def scoring_metrics(errors: int, timeouts: int, rows: int) -> dict[str, float]:
+    return {"reward/errors": float(errors), "reward/timeouts": float(timeouts), "reward/rows": float(rows)}
