@@ -29,6 +29,7 @@ import time
 import torch
 
 from configs.plan import uses_critic
+from stages.batches.batching import unpad
 from storage.artifacts import fingerprint as hash_obj
 from storage.artifacts import read_manifest, read_table, require_manifest, write_table
 from storage.schemas import make_table
@@ -243,6 +244,3 @@ def pad(lists, lengths, width: int, name: str) -> torch.Tensor:
                                   f"{', '.join(map(str, bad[:20]))}")
     return out
 
-
-def unpad(tensor: torch.Tensor, lengths) -> list:
-    return [row[:n] for row, n in zip(tensor.tolist(), lengths)]

@@ -207,20 +207,21 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
                "finish_reason": [g.finish_reason for g in gens],
                "data_source": [], "ground_truth": [], "extra_info": []}
     for i, p in enumerate(prompts):
-        uid = uids[i]
+        uid, truth, ids = uids[i], _truth_text(p.ground_truth), list(p.prompt_ids)
+        extra_text = json.dumps(p.extra_info, sort_keys=True, default=str) if trajectories is None else None
         for k in range(n):
             columns["uid"].append(uid)
             columns["sample_index"].append(k)
             columns["prompt"].append(prompt_text[i])
-            columns["prompt_ids"].append(list(p.prompt_ids))
+            columns["prompt_ids"].append(ids)
             columns["data_source"].append(p.data_source)
-            columns["ground_truth"].append(_truth_text(p.ground_truth))
-            extra = p.extra_info
+            columns["ground_truth"].append(truth)
             if trajectories is not None:  # what verl's reward managers add for compute_score
                 t = trajectories[i * n + k]
-                extra = {**extra, "num_turns": t.num_turns, "rollout_reward_scores": {},
-                         "turn_scores": [], "tool_rewards": list(t.tool_rewards)}
-            columns["extra_info"].append(json.dumps(extra, sort_keys=True, default=str))
+                extra_text = json.dumps({**p.extra_info, "num_turns": t.num_turns, "rollout_reward_scores": {},
+                                         "turn_scores": [], "tool_rewards": list(t.tool_rewards)},
+                                        sort_keys=True, default=str)
+            columns["extra_info"].append(extra_text)
     if sampling.log_probs:
         columns["rollout_log_probs"] = [g.log_probs for g in gens]
     if trajectories is not None:

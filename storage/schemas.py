@@ -71,9 +71,15 @@ class StageSchema:
     def table(self, columns: dict) -> pa.Table:
         """Build a table with the declared types from Python/numpy columns (unknown columns
         are inferred), then validate it."""
-        arrays = {name: pa.array(values, type=self.fields.get(name))
-                  for name, values in columns.items()}
+        arrays = {name: _as_array(values, self.fields.get(name)) for name, values in columns.items()}
         return self.validate(pa.table(arrays))
+
+
+def _as_array(values, type_: pa.DataType | None) -> pa.Array:
+    """A column from Python/numpy values, or an Arrow array as it is (cast to the declared type)."""
+    if isinstance(values, pa.Array):
+        return values if type_ is None or _same_type(values.type, type_) else values.cast(type_)
+    return pa.array(values, type=type_)
 
 
 def _same_type(actual: pa.DataType, expected: pa.DataType) -> bool:

@@ -130,13 +130,22 @@ def compute_grpo_advantage(token_level_rewards, response_mask, index, epsilon: f
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         adv = torch.empty_like(scores)
-        for rows in group_rows(index, scores.shape[0]).values():
+        groups = list(group_rows(index, scores.shape[0]).values())
+        if len({len(rows) for rows in groups}) == 1 and len(groups[0]) > 1:
+            # every group of one size (rollout.n): all groups at once, a row of a (G, n) matrix
+            # each; per-row mean/std reduce in the same order as one group's (equal bit for bit)
+            rows = torch.tensor(groups)
             group = scores[rows]
-            if len(rows) == 1:
-                mean, std = torch.tensor(0.0), torch.tensor(1.0)
-            else:
-                mean, std = group.mean(), group.std()  # torch.std is unbiased (n - 1)
+            mean, std = group.mean(dim=1, keepdim=True), group.std(dim=1, keepdim=True)
             adv[rows] = (group - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else group - mean
+        else:
+            for rows in groups:
+                group = scores[rows]
+                if len(rows) == 1:
+                    mean, std = torch.tensor(0.0), torch.tensor(1.0)
+                else:
+                    mean, std = group.mean(), group.std()  # torch.std is unbiased (n - 1)
+                adv[rows] = (group - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else group - mean
         adv = adv.unsqueeze(-1) * mask
     return adv, adv
 

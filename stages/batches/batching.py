@@ -181,10 +181,19 @@ def pad_per_token(values: list[list[float]], width: int, dtype=None, pad_value=0
     return out.to(device)
 
 
-def unpad(tensor, lengths) -> list[list]:
-    """Per-row Python lists of the first lengths[i] entries of a (bs, R) tensor."""
-    data = tensor.detach().cpu().tolist()
-    return [row[:int(n)] for row, n in zip(data, lengths)]
+def unpad(tensor, lengths):
+    """The first lengths[i] entries of each row of a (bs, R) float tensor as one Arrow list
+    column (list<float32>; flat values and offsets, no per-row Python lists)."""
+    import numpy as np
+    import pyarrow as pa
+    import torch
+
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    keep = torch.arange(tensor.shape[1])[None, :] < lengths[:, None]
+    values = tensor.detach().cpu()[keep].to(torch.float32).numpy()
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths.numpy(), out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.float32()))
 
 
 # ---- load lines ------------------------------------------------------------------------------
