@@ -28,7 +28,8 @@ parallel); stagerl-{hf|vllm}-{N}rank (trainer.n_gpus_per_node=N; vllm: rollout.n
 enforce_eager=true, only with --with-vllm or named), with stagerl's default orchestration (stage
 tasks in the rl-train flow run); a `-subflow` suffix sets orchestration.step_subflow=true, `-s<N>`
 trainer.staleness=N (stagerl-hf-1rank-s1@mb360, in the default set: step k+1's rollout beside step
-k's update, the hf engine then in its own process; "warm step" is then the period between step ends). Each is
+k's update, the hf engine then in its own process; "warm step" is then the period between step ends;
+in the first --staleness-runs rounds only, 1 by default, which keeps the sweep under 15 minutes). Each is
 run at every --micro-batches size (named variant@mbM; a variant named with @mbM runs at that size
 only). Threads: 2 per side: TRL OMP_NUM_THREADS=2 + torch.set_num_threads(2) with one process, 1
 each with two; stagerl's flow process OMP_NUM_THREADS=2 (rollout, and logprob/update with 1 rank);
@@ -338,6 +339,9 @@ def best_vs_best(median: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--staleness-runs", type=int, default=1,
+                        help="rounds a -s<N> variant runs in (the first ones): it is reported beside TRL, "
+                             "not in a matched ratio or best vs best, and one run keeps the sweep under 15 min")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                         help="trl[-Nrank], stagerl-{hf|vllm}-Nrank[-subflow]; @mbM pins one micro-batch")
@@ -376,6 +380,8 @@ def main() -> int:
             ctx = {"work": work, "args": args, "inputs": inputs, "prefect": prefect, "server_pid": server.proc.pid}
             for run in range(args.runs):  # interleaved: every variant once per round
                 for name in variants:
+                    if parse_variant(name).get("staleness", 0) and run >= args.staleness_runs:
+                        continue
                     results.append(run_variant(name, run, ctx))
     finally:
         if not args.keep:

@@ -119,4 +119,8 @@ def _version(package: str) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as `stagerl train` ends (flows.cli.finish_process): the measured steps are over,
+    #                 and the interpreter's teardown of torch & co. only lengthens the sweep
