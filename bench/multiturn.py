@@ -114,10 +114,9 @@ def main() -> None:
                "repeats": args.repeats, "engine": args.engine, "model": "tiny (init_std 0.3) taught to call the calculator "
                "(tests/_multiturn_setup.py teach_tool_calls, 100 steps)", "runs": []}
     with tempfile.TemporaryDirectory(prefix="stagerl-bench-multiturn-") as tmp, contextlib.ExitStack() as stack:
-        if args.engine != "hf":
-            from stages.session import RunSession
+        from stages.session import RunSession
 
-            SESSION = stack.enter_context(RunSession())
+        SESSION = stack.enter_context(RunSession())  # as a training run: engine and tool workers kept
         folder = Path(tmp)
         base = save_tiny_model(folder / "tiny", init_std=0.3)
         config = Path(write_calc_config(folder / "calc.yaml"))
