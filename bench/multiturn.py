@@ -6,9 +6,10 @@ through the rollout stage. Prints JSON and writes bench/results/multiturn.json.
 
 The model: the tiny model (init_std 0.3) taught by tests/_multiturn_setup.py's short fine-tune to
 call the calculator in verl's hermes format; 1 replica, temperature 1.0. `--engine hf` (the
-default): the transformers engine, kept for the loop's calls within each stage run; `--engine
-vllm`: vLLM's CPU build (enforce_eager), resident in one RunSession across all runs (started in
-the first calibration run, as a training run's session keeps it). Both
+default): the transformers engine in this process; `--engine vllm`: vLLM's CPU build
+(enforce_eager) in its worker process. Either is resident in one RunSession across all runs, with
+the calculator's tool workers (started in the first calibration run, as a training run's session
+keeps them). Both
 variants run through the multi-turn agent loop on the same 60 prompts (the four taught arithmetic
 questions, cycled, verl's tool-agent schema):
 
@@ -45,7 +46,7 @@ MT = "actor_rollout_ref.rollout.multi_turn"
 ENGINES = {"hf": ["actor_rollout_ref.rollout.name=hf"],
            "vllm": ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true"]}
 ENGINE = "hf"
-SESSION = None  # --engine vllm: one RunSession, so the engine starts once (in the calibration run)
+SESSION = None  # one RunSession: the engine and the tool workers start once (in the calibration run)
 
 
 def overrides(folder: Path, model: Path, train: Path, config: Path, name: str, n: int, seed: int, prompts: int,
