@@ -29,7 +29,7 @@ import time
 import torch
 
 from configs.plan import uses_critic
-from stages.batches.batching import unpad
+from stages.batches.batching import unpad_arrow
 from storage.artifacts import fingerprint as hash_obj
 from storage.artifacts import read_manifest, read_table, require_manifest, write_table
 from storage.schemas import make_table
@@ -92,8 +92,8 @@ def run(ctx) -> dict:
     metrics.update(kl_metrics)
     lengths = batch["response_length"]
     table = make_table("advantage", {
-        "token_level_rewards": unpad(rewards, lengths), "advantages": unpad(advantages, lengths),
-        "returns": unpad(returns, lengths), "kl": unpad(kld, lengths)})
+        "token_level_rewards": unpad_arrow(rewards, lengths), "advantages": unpad_arrow(advantages, lengths),
+        "returns": unpad_arrow(returns, lengths), "kl": unpad_arrow(kld, lengths)})
     fingerprint = stage_fingerprint(ctx, kl_state.get("before"))
     extra = {"metrics": metrics, "adv_estimator": estimator}
     if kl_state:

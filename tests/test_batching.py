@@ -7,7 +7,7 @@ import torch
 
 from stages.batches import batching
 from stages.batches.batching import (balance_partitions, collate, format_load_line, karmarkar_karp, pad_per_token,
-                             restore_order, unpad, workload)
+                             restore_order, unpad, unpad_arrow, workload)
 from stages.batches.binning import collate_bins, micro_batch_load, micro_batches, rows_of
 from stages.ranks.launch import run_ranks
 
@@ -295,3 +295,16 @@ def test_collate_bins_matches_the_row_by_row_definition_on_random_bins():
         lengths = [len(r["response_ids"]) for b in bins for r in b]
         assert got["response_mask"].tolist() == [[int(j < n) for j in range(max(max(lengths), 1))] for n in lengths]
         assert got["input_ids"].dtype == got["pred_index"].dtype == torch.long
+
+
+def test_unpad_arrow_equals_the_python_lists():
+    """The advantage stage's columns: one Arrow list<float32> column equal to unpad's lists."""
+    import pyarrow as pa
+    import torch
+
+    tensor = torch.tensor([[0.5, -1.25, 3.0, 9.0], [7.0, 8.0, 9.0, 10.0], [1e-8, 2.0, -0.0, 4.0]])
+    lengths = [2, 0, 4]
+    column = unpad_arrow(tensor, lengths)
+    assert column.type == pa.list_(pa.float32())
+    assert column.to_pylist() == unpad(tensor, lengths) == [[0.5, -1.25], [], [pytest.approx(1e-8), 2.0, -0.0, 4.0]]
+    assert column.equals(pa.array(unpad(tensor, lengths), type=pa.list_(pa.float32())))

@@ -7,7 +7,7 @@ layout (the reference forward), per-token padding and load lines.
 - Micro-batches are stages.batches.binning's (`micro_batches` and `collate_bins`, shared by every stage);
   `collate` here is verl's padded layout (prompts left-padded, responses right-padded), kept as
   the reference forward of tests and bench/gpu_check.py.
-Pure Python except `collate`/`pad_per_token`/`unpad` (torch tensors)."""
+Pure Python except `collate`/`pad_per_token`/`unpad`/`unpad_arrow` (torch tensors)."""
 from __future__ import annotations
 
 import functools
@@ -181,9 +181,15 @@ def pad_per_token(values: list[list[float]], width: int, dtype=None, pad_value=0
     return out.to(device)
 
 
-def unpad(tensor, lengths):
-    """The first lengths[i] entries of each row of a (bs, R) float tensor as one Arrow list
-    column (list<float32>; flat values and offsets, no per-row Python lists)."""
+def unpad(tensor, lengths) -> list[list]:
+    """Per-row Python lists of the first lengths[i] entries of a (bs, R) tensor."""
+    data = tensor.detach().cpu().tolist()
+    return [row[:int(n)] for row, n in zip(data, lengths)]
+
+
+def unpad_arrow(tensor, lengths):
+    """unpad's rows of a float tensor as one Arrow list column (list<float32>), built from flat
+    values and offsets without per-row Python lists (the advantage stage's columns)."""
     import numpy as np
     import pyarrow as pa
     import torch
