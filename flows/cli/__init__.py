@@ -63,6 +63,7 @@ def entry() -> None:
     except SystemExit as exc:  # argparse's usage errors (2), --help (0)
         code = exc.code
     except KeyboardInterrupt:
+        print("stagerl: interrupted", file=sys.stderr)
         code = 130
     except BaseException:  # noqa: BLE001  (printed as Python would, then exit 1)
         traceback.print_exc()
