@@ -200,17 +200,16 @@ def task_result(state) -> dict:
     state of this process holds its value (or an in-memory ResultRecord): read directly, as
     State.result() would return it but without its trip through Prefect's event loop thread
     (~1 ms a task); anything else (failed, crashed, a persisted result) goes through result()."""
+    from prefect._internal.result_records import ResultRecordMetadata
     from prefect.results import ResultRecord
     from prefect.states import State
 
     while True:
         data = state.data
-        if not state.is_completed() or data is None:
-            value = state.result()
-        elif isinstance(data, ResultRecord):
+        if isinstance(data, ResultRecord) and state.is_completed():
             value = data.result
-        elif type(data).__name__ == "ResultRecordMetadata":  # stored elsewhere: read it back
-            value = state.result()
+        elif data is None or isinstance(data, ResultRecordMetadata) or not state.is_completed():
+            value = state.result()  # failed or crashed (raises), or a result stored elsewhere
         else:
             value = data
         if not isinstance(value, State):

@@ -119,8 +119,7 @@ def _version(package: str) -> str | None:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as `stagerl train` ends (flows.cli.finish_process): the measured steps are over,
-    #                 and the interpreter's teardown of torch & co. only lengthens the sweep
+    from flows.cli import finish_process
+
+    finish_process(main())  # as `stagerl train` ends: the measured steps are over, and the
+    #                         interpreter's teardown of torch & co. only lengthens the sweep

@@ -209,9 +209,7 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         self.wake()
-        if self._streaming:  # a streamed batch that failed left requests behind
-            self.llm.llm_engine.abort_request(list(self._streaming))
-            self._streaming = {}
+        self.end_stream()  # requests a streamed batch that failed left behind
         params = [self._params(sampling, seed, sampling.max_new_tokens) for seed in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -234,9 +232,7 @@ class VLLMEngine(Engine):
         self.wake()
         engine = self.llm.llm_engine
         if new_batch:
-            if engine.has_unfinished_requests():
-                engine.abort_request(list(self._streaming))
-            self._streaming = {}
+            self.end_stream()
         for key, ids, seed, max_new in add:
             params = self._params(sampling, seed, max_new)
             params.output_kind = RequestOutputKind.FINAL_ONLY
@@ -254,10 +250,10 @@ class VLLMEngine(Engine):
         return sorted(done, key=lambda item: item[0]), steps
 
     def end_stream(self) -> None:
-        engine = self.llm.llm_engine
-        if engine.has_unfinished_requests():
-            engine.abort_request(list(self._streaming))
-        self._streaming = {}
+        """Abort the requests a streamed batch left unfinished (one that failed)."""
+        if self._streaming:
+            self.llm.llm_engine.abort_request(list(self._streaming))
+            self._streaming = {}
 
     def _params(self, sampling: Sampling, seed, max_new: int):
         from vllm import SamplingParams
