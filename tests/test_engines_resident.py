@@ -8,7 +8,7 @@ import signal
 import numpy as np
 import pytest
 
-from stages.engines import EngineOptions, Sampling, derive_seed
+from stages.engines import EngineOptions, EngineSpec, Sampling, derive_seed
 from stages.engines.service import RolloutEngines
 from stages.model.tiny import save_tiny_model
 from stages.ranks.zygote import Zygote
@@ -230,6 +230,49 @@ def test_a_later_turn_prefills_only_its_new_tokens_over_the_kept_cache(models, g
     assert kept == 6 and none == 0
     assert kept_prefill == sum(4 + i // 3 for i in range(6))  # the last sampled token + the tool tokens
     assert full_prefill == sum(len(prompts[i]) + len(full_first[i]) + 3 + i // 3 for i in range(6))
+
+
+def test_the_stream_cache_is_as_wide_as_its_longest_row_and_grows_in_place(models):
+    """Rows join with contexts of different lengths and over kept caches (whose padding would sit
+    before their new tokens) and leave at different steps: after every step the cache is re-packed
+    to its longest row, each row's tokens at its right end, no holes; a decode step writes its
+    column into the cache's spare room (the same storage), it does not copy the cache."""
+    import torch
+
+    from stages.engines.hf import HFEngine, StreamBatch
+
+    engine = HFEngine()
+    engine.start(EngineSpec(engine="hf", model_dir=str(models[0]), rollout=()))
+    batch = StreamBatch(engine.model, engine.eos_ids, engine.pad_id, "cpu", keep_finished=True)
+    sampling = Sampling(temperature=1.0, max_new_tokens=12)
+    widths, in_place = [], []
+    with torch.inference_mode():
+        for i in range(6):
+            batch.add(i, [1, 5, 9] + [20 + i] * (3 * i), derive_seed(1, i), 3 + 2 * i)
+        first = {}
+        while batch.busy():
+            first.update({k: g.response_ids for k, g in batch.step(sampling)})
+        for i in range(6):  # each row's second turn: long tool responses for the short rows
+            batch.add(i, [1, 5, 9] + [20 + i] * (3 * i) + first[i] + [40] * (12 - 2 * i), derive_seed(2, i), 10 + 5 * i)
+        changed = True  # the last step merged, dropped or re-packed rows: their cache is a new tensor
+        while batch.busy():
+            rows = len(batch.rows)
+            storage = batch.cache.layers[0].keys.untyped_storage().data_ptr() if rows else None
+            joining = bool(batch.joining)
+            batch.step(sampling)
+            if not batch.rows:
+                break
+            mask, lengths = batch.mask, batch.lengths
+            widths.append((mask.shape[1], int(lengths.max())))
+            assert batch.cache.layers[0].keys.shape[2] == mask.shape[1]
+            for row in range(len(batch.rows)):  # its real tokens, then nothing: right-aligned
+                n = int(lengths[row])
+                assert mask[row, -n:].all() and not mask[row, :-n].any()
+            if not changed and not joining and rows == len(batch.rows):
+                in_place.append(storage == batch.cache.layers[0].keys.untyped_storage().data_ptr())
+            changed = joining or rows != len(batch.rows)
+    assert all(width == longest for width, longest in widths) and len(widths) > 30
+    assert len(in_place) > 20 and all(in_place)  # (the room: 64 columns, more than this test's steps)
 
 
 def transformers_greedy(engine, prompt, max_new) -> list:

@@ -247,8 +247,11 @@ class StreamBatch:
     `keep_finished` (the agent loop's stream): a finished row's cache is kept under its key, and
     when a request of that key joins again with a context that extends it (the turn's tokens, then
     the tool response), only the new tokens are prefilled over the kept cache, so a later turn
-    never prefills its whole context again. The mask then has holes (the kept cache's padding
-    before the new tokens); positions count real tokens only."""
+    never prefills its whole context again; positions count real tokens only.
+
+    After rows join or leave, the cache is re-packed (_compact) to the width of its longest row, so
+    padding never piles up; a decode step writes its column into the cache's spare room
+    (room_cache) instead of copying the cache."""
 
     def __init__(self, model, eos_ids, pad_id: int, device, keep_finished: bool = False):
         self.model, self.eos, self.pad_id, self.device = model, set(eos_ids), int(pad_id), device
@@ -317,7 +320,6 @@ class StreamBatch:
         """Prefill the joining rows (over their kept caches where they extend one) and merge their
         caches into the running batch; returns their last-position logits, in joining order."""
         import torch
-        from transformers import DynamicCache
 
         new, self.joining = self.joining, []
         resumed = []  # (row, its kept cache), prefilled from the end of that cache
@@ -332,7 +334,7 @@ class StreamBatch:
         if fresh:
             ids, mask = _left_pad([r.ids for r in fresh], self.pad_id)
             positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-            cache = DynamicCache()
+            cache = room_cache()
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                              position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
                              logits_to_keep=1)
@@ -341,7 +343,7 @@ class StreamBatch:
             logits.append(out.logits[:, -1, :])
         if resumed:
             width = max(kv[0][0].shape[2] for _, kv in resumed)
-            cache = DynamicCache()
+            cache = room_cache()
             for layer in range(len(resumed[0][1])):
                 cache.update(torch.cat([_pad_left(kv[layer][0], width) for _, kv in resumed]),
                              torch.cat([_pad_left(kv[layer][1], width) for _, kv in resumed]), layer)
@@ -372,9 +374,10 @@ class StreamBatch:
             self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
             self.lengths = torch.cat([self.lengths, lengths])
         self.rows += rows
+        self._compact()
 
     def _keep(self, keep: list) -> None:
-        """Only the rows `keep` (indices) go on; cache columns no remaining row uses are dropped."""
+        """Only the rows `keep` (indices) go on (the cache re-packed to their longest)."""
         import torch
 
         self.rows = [self.rows[i] for i in keep]
@@ -383,11 +386,64 @@ class StreamBatch:
             return
         index = torch.tensor(keep, dtype=torch.long)
         self.mask, self.lengths = self.mask[index], self.lengths[index]
-        unused = int(self.mask.argmax(dim=1).min())  # left columns no remaining row uses
         for layer in self.cache.layers:
-            layer.keys = layer.keys[index.to(layer.keys.device), :, unused:]
-            layer.values = layer.values[index.to(layer.values.device), :, unused:]
-        self.mask = self.mask[:, unused:]
+            layer.keys = layer.keys[index.to(layer.keys.device)]
+            layer.values = layer.values[index.to(layer.values.device)]
+        self._compact()
+
+    def _compact(self) -> None:
+        """Re-pack the cache so that it is as wide as its longest row: each row's real columns, in
+        order, at its right end. Rows that joined with contexts of other lengths, or over kept caches
+        (whose padding sits before the new tokens), leave columns that are padding in every row or
+        holes inside a row; a decode step's cost grows with the width, so they are dropped. Padding
+        stays masked out: positions and outputs do not change."""
+        import torch
+
+        width = int(self.lengths.max())
+        if width == self.mask.shape[1]:
+            return
+        # per row: the padding columns first, then its real columns in order; keep the last `width`
+        index = torch.argsort(self.mask, dim=1, stable=True)[:, -width:]
+        self.mask = self.mask.gather(1, index)
+        for layer in self.cache.layers:
+            shape = (-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            at = index.to(layer.keys.device)[:, None, :, None].expand(shape)
+            layer.keys = layer.keys.gather(2, at)
+            layer.values = layer.values.gather(2, at)
+
+def room_cache():
+    """A DynamicCache whose layers append a step's keys and values in place, into spare columns
+    (RoomLayer), instead of copying the whole cache with torch.cat at every decode step."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomLayer(DynamicLayer):
+        """`keys` / `values` are views of the first columns of larger buffers; a step writes its
+        columns after them. Tensors set from outside (StreamBatch's merges, drops, re-packs) are
+        copied into new buffers at the next update, with room for ROOM more columns."""
+        ROOM = 64
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self.buffers = None
+            held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+            new, bufs = key_states.shape[-2], self.buffers
+            if (bufs is None or held + new > bufs[0].shape[-2] or self.keys.data_ptr() != bufs[0].data_ptr()
+                    or self.keys.shape[:2] != bufs[0].shape[:2] or self.keys.stride() != bufs[0].stride()):
+                shape = (*key_states.shape[:2], held + new + max(self.ROOM, held // 4), key_states.shape[-1])
+                bufs = self.buffers = (key_states.new_empty(shape), value_states.new_empty(shape))
+                if held:
+                    bufs[0][:, :, :held] = self.keys
+                    bufs[1][:, :, :held] = self.values
+            bufs[0][:, :, held:held + new] = key_states
+            bufs[1][:, :, held:held + new] = value_states
+            self.keys, self.values = bufs[0][:, :, :held + new], bufs[1][:, :, :held + new]
+            return self.keys, self.values
+
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = RoomLayer
+    return cache
 
 
 def _pad_left(t, width: int):
