@@ -275,6 +275,25 @@ def test_the_stream_cache_is_as_wide_as_its_longest_row_and_grows_in_place(model
     assert len(in_place) > 20 and all(in_place)  # (the room: 64 columns, more than this test's steps)
 
 
+def test_a_cache_selection_takes_rows_and_columns_of_a_view_with_room():
+    """stages.engines.hf._select (the re-pack's one index_select over the cache's storage) equals
+    indexing rows then gathering columns, on a view of a buffer with spare columns and on a
+    contiguous tensor; `room` columns come after the selected ones."""
+    import torch
+
+    from stages.engines.hf import _select
+
+    buffer = torch.randn(5, 2, 11, 4)
+    view = buffer[:, :, :8]  # what a RoomLayer's keys are
+    rows = torch.tensor([0, 2, 4])
+    columns = torch.tensor([[1, 2, 5, 7], [0, 3, 4, 6], [4, 5, 6, 7]])
+    expected = view[rows].gather(2, columns[:, None, :, None].expand(-1, 2, -1, 4))
+    out = _select(view, rows, columns, room=3)
+    assert out.shape == (3, 2, 7, 4) and torch.equal(out[:, :, :4], expected)
+    assert torch.equal(_select(view.contiguous(), rows, columns), expected)
+    assert torch.equal(_select(view, rows, None), view[rows]) and torch.equal(_select(view, None, None), view)
+
+
 def transformers_greedy(engine, prompt, max_new) -> list:
     """`model.generate` of one prompt, greedy, cut after its first EOS."""
     import torch

@@ -249,7 +249,7 @@ class StreamBatch:
     the tool response), only the new tokens are prefilled over the kept cache, so a later turn
     never prefills its whole context again; positions count real tokens only.
 
-    After rows join or leave, the cache is re-packed (_compact) to the width of its longest row, so
+    After rows join or leave, the cache is re-packed (_repack) to the width of its longest row, so
     padding never piles up; a decode step writes its column into the cache's spare room
     (room_cache) instead of copying the cache."""
 
@@ -374,7 +374,7 @@ class StreamBatch:
             self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
             self.lengths = torch.cat([self.lengths, lengths])
         self.rows += rows
-        self._compact()
+        self._repack()
 
     def _keep(self, keep: list) -> None:
         """Only the rows `keep` (indices) go on (the cache re-packed to their longest)."""
@@ -386,30 +386,66 @@ class StreamBatch:
             return
         index = torch.tensor(keep, dtype=torch.long)
         self.mask, self.lengths = self.mask[index], self.lengths[index]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index.to(layer.keys.device)]
-            layer.values = layer.values[index.to(layer.values.device)]
-        self._compact()
+        self._repack(index)
 
-    def _compact(self) -> None:
-        """Re-pack the cache so that it is as wide as its longest row: each row's real columns, in
-        order, at its right end. Rows that joined with contexts of other lengths, or over kept caches
-        (whose padding sits before the new tokens), leave columns that are padding in every row or
-        holes inside a row; a decode step's cost grows with the width, so they are dropped. Padding
-        stays masked out: positions and outputs do not change."""
+    def _repack(self, rows=None) -> None:
+        """Keep the cache rows `rows` (None: all) and make it as wide as its longest row: each row's
+        real columns, in order, at its right end. Rows that joined with contexts of other lengths,
+        or over kept caches (whose padding sits before the new tokens), leave columns that are
+        padding in every row or holes inside a row; a decode step's cost grows with the width, so
+        they are dropped. Padding stays masked out: positions and outputs do not change. One
+        row-and-column selection per tensor, into a buffer with room for the next steps."""
         import torch
 
         width = int(self.lengths.max())
-        if width == self.mask.shape[1]:
+        columns = None
+        if width < self.mask.shape[1]:  # per row: its padding columns first, then its real ones in order
+            columns = torch.argsort(self.mask, dim=1, stable=True)[:, -width:]
+            self.mask = self.mask.gather(1, columns)
+        elif rows is None:
             return
-        # per row: the padding columns first, then its real columns in order; keep the last `width`
-        index = torch.argsort(self.mask, dim=1, stable=True)[:, -width:]
-        self.mask = self.mask.gather(1, index)
         for layer in self.cache.layers:
-            shape = (-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            at = index.to(layer.keys.device)[:, None, :, None].expand(shape)
-            layer.keys = layer.keys.gather(2, at)
-            layer.values = layer.values.gather(2, at)
+            held = layer.keys.shape[2]
+            if columns is None and layer.buffers is not None and layer.keys.data_ptr() == layer.buffers[0].data_ptr():
+                layer.buffers = tuple(b.index_select(0, rows.to(b.device)) for b in layer.buffers)  # room and all
+                layer.keys, layer.values = layer.buffers[0][:, :, :held], layer.buffers[1][:, :, :held]
+                continue
+            room = room_for(width) if hasattr(layer, "buffers") else 0
+            keys = _select(layer.keys, rows, columns, room)
+            values = _select(layer.values, rows, columns, room)
+            if room:
+                layer.buffers = (keys, values)
+                keys, values = keys[:, :, :width], values[:, :, :width]
+            layer.keys, layer.values = keys, values
+
+
+def _select(t, rows, columns, room: int = 0):
+    """out[i, h, j] = t[rows[i], h, columns[i, j]] for a cache tensor t (rows, heads, columns, head
+    dim) whose head dim is contiguous (rows None: all; columns None: all), then `room` columns more
+    (unset): one index_select over t's storage seen as (positions, head dim) rows (torch.gather
+    along the column axis is ~20x slower on the CPU)."""
+    import torch
+
+    n_rows, heads, width, dim = t.shape
+    if t.stride(3) != 1 or t.stride(2) != dim or t.stride(1) % dim or t.stride(0) % dim:
+        t = t.contiguous()
+    at_row, at_head = t.stride(0) // dim, t.stride(1) // dim
+    device = t.device
+    rows = torch.arange(n_rows, device=device) if rows is None else rows.to(device)
+    columns = (torch.arange(width, device=device).expand(len(rows), width) if columns is None
+               else columns.to(device))
+    if room:
+        columns = torch.cat([columns, columns.new_zeros(len(rows), room)], dim=1)
+    flat = t.as_strided(((n_rows - 1) * at_row + (heads - 1) * at_head + width, dim), (dim, 1))
+    index = (rows[:, None, None] * at_row + torch.arange(heads, device=device)[None, :, None] * at_head
+             + columns[:, None, :])
+    return flat.index_select(0, index.reshape(-1)).view(len(rows), heads, columns.shape[1], dim)
+
+
+def room_for(width: int) -> int:
+    """Spare cache columns a buffer gets beyond `width` (room_cache)."""
+    return max(64, width // 4)
+
 
 def room_cache():
     """A DynamicCache whose layers append a step's keys and values in place, into spare columns
@@ -418,20 +454,19 @@ def room_cache():
     from transformers.cache_utils import DynamicLayer
 
     class RoomLayer(DynamicLayer):
-        """`keys` / `values` are views of the first columns of larger buffers; a step writes its
-        columns after them. Tensors set from outside (StreamBatch's merges, drops, re-packs) are
-        copied into new buffers at the next update, with room for ROOM more columns."""
-        ROOM = 64
+        """`keys` / `values` are views of the first columns of larger buffers (`buffers`); a step
+        writes its columns after them. Tensors set from outside without their buffers (StreamBatch's
+        merges) are copied into new buffers at the next update, with room_for() more columns."""
+        buffers = None
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-                self.buffers = None
             held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
             new, bufs = key_states.shape[-2], self.buffers
             if (bufs is None or held + new > bufs[0].shape[-2] or self.keys.data_ptr() != bufs[0].data_ptr()
                     or self.keys.shape[:2] != bufs[0].shape[:2] or self.keys.stride() != bufs[0].stride()):
-                shape = (*key_states.shape[:2], held + new + max(self.ROOM, held // 4), key_states.shape[-1])
+                shape = (*key_states.shape[:2], held + new + room_for(held + new), key_states.shape[-1])
                 bufs = self.buffers = (key_states.new_empty(shape), value_states.new_empty(shape))
                 if held:
                     bufs[0][:, :, :held] = self.keys
