@@ -12,7 +12,8 @@ and `experiment`, the run's name: over several runs (branches of a fork) they jo
     turns                                 multi-turn rollouts (rollout/turns.parquet): one row per assistant
                                           turn and tool call; its `row` is the trajectory's rollout row, so
                                           it joins the others on (step, row); tool, arguments, response,
-                                          latency_s, error, token_start/token_end, mask
+                                          latency_s (also as `latency`, the issue's and verl
+                                          users' name; seconds), error, token_start/token_end, mask
 Only stages with a manifest count (read through storage.artifacts, checksums verified). The
 tables are registered as Arrow tables, so a local store and S3 behave the same, and the
 connection is read-only over them: no file system, network or extension access (DuckDB's
@@ -135,8 +136,10 @@ def turns_table(view, steps=None) -> pa.Table:
             parts.append(table.append_column("experiment", pa.array([view.layout.experiment] * table.num_rows, pa.string())))
     if not parts:
         fields = list(SCHEMAS["rollout_turns"].required)
-        return pa.schema(fields + [("experiment", pa.string())]).empty_table()
-    return pa.concat_tables(parts, promote_options="permissive")
+        table = pa.schema(fields + [("experiment", pa.string())]).empty_table()
+    else:
+        table = pa.concat_tables(parts, promote_options="permissive")
+    return table.append_column("latency", table.column("latency_s"))  # the same seconds, by its short name
 
 
 def metrics_table(view, steps=None) -> pa.Table:

@@ -437,6 +437,9 @@ def test_logprob_advantage_and_update_honour_the_mask_and_the_readers_show_the_t
                           *root, "--json"))
     assert [(r["tool"], r["error"], r["n"], r["timed"]) for r in rows] == [
         ("abacus", "unknown_tool", 2, True), ("calculator", None, 8, True), (None, "bad_json", 2, True)]
+    by_tool = json.loads(cli("query", "select tool, count(*) as n, avg(latency) = avg(latency_s) as same from turns "
+                                      "group by tool order by tool", "--experiment", "t", *root, "--json"))
+    assert [(r["tool"], r["n"], r["same"]) for r in by_tool] == [("abacus", 2, True), ("calculator", 8, True), (None, 20, True)]
     joined = json.loads(cli("query", "select r.score, count(*) as turns from turns t join reward r using (step, row) "
                                      "group by r.score", "--experiment", "t", *root, "--json"))
     assert joined == [{"score": 1.0, "turns": 18 + 12}]   # 18 assistant turns and 12 tool calls, all of rows scoring 1
