@@ -15,6 +15,7 @@ copied into the loaded model in place (load_weights: safetensors -> load_state_d
 loads the model once; on a GPU, sleep() moves it to host memory while the update trains."""
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -406,8 +407,9 @@ class StreamBatch:
             return
         for layer in self.cache.layers:
             held = layer.keys.shape[2]
-            if columns is None and layer.buffers is not None and layer.keys.data_ptr() == layer.buffers[0].data_ptr():
-                layer.buffers = tuple(b.index_select(0, rows.to(b.device)) for b in layer.buffers)  # room and all
+            buffers = getattr(layer, "buffers", None)
+            if columns is None and buffers is not None and layer.keys.data_ptr() == buffers[0].data_ptr():
+                layer.buffers = tuple(b.index_select(0, rows.to(b.device)) for b in buffers)  # room and all
                 layer.keys, layer.values = layer.buffers[0][:, :, :held], layer.buffers[1][:, :, :held]
                 continue
             room = room_for(width) if hasattr(layer, "buffers") else 0
@@ -449,8 +451,18 @@ def room_for(width: int) -> int:
 
 def room_cache():
     """A DynamicCache whose layers append a step's keys and values in place, into spare columns
-    (RoomLayer), instead of copying the whole cache with torch.cat at every decode step."""
+    (room_layer), instead of copying the whole cache with torch.cat at every decode step."""
     from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = room_layer()
+    return cache
+
+
+@functools.lru_cache(maxsize=1)
+def room_layer():
+    """The RoomLayer class (a transformers DynamicLayer; defined on first use, as transformers is
+    imported lazily here)."""
     from transformers.cache_utils import DynamicLayer
 
     class RoomLayer(DynamicLayer):
@@ -476,9 +488,7 @@ def room_cache():
             self.keys, self.values = bufs[0][:, :, :held + new], bufs[1][:, :, :held + new]
             return self.keys, self.values
 
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = RoomLayer
-    return cache
+    return RoomLayer
 
 
 def _pad_left(t, width: int):
