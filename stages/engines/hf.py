@@ -406,10 +406,9 @@ class StreamBatch:
         elif rows is None:
             return
         for layer in self.cache.layers:
-            held = layer.keys.shape[2]
-            buffers = getattr(layer, "buffers", None)
-            if columns is None and buffers is not None and layer.keys.data_ptr() == buffers[0].data_ptr():
-                layer.buffers = tuple(b.index_select(0, rows.to(b.device)) for b in buffers)  # room and all
+            held, buffers = layer.keys.shape[2], _buffers_of(layer)
+            if columns is None and buffers is not None:  # rows only: select them, room and all
+                layer.buffers = tuple(b.index_select(0, rows.to(b.device)) for b in buffers)
                 layer.keys, layer.values = layer.buffers[0][:, :, :held], layer.buffers[1][:, :, :held]
                 continue
             room = room_for(width) if hasattr(layer, "buffers") else 0
@@ -444,6 +443,17 @@ def _select(t, rows, columns, room: int = 0):
     return flat.index_select(0, index.reshape(-1)).view(len(rows), heads, columns.shape[1], dim)
 
 
+def _buffers_of(layer):
+    """A RoomLayer's (keys, values) buffers when its keys are the first columns of them (room
+    after), else None: a plain DynamicLayer, or tensors set from outside (StreamBatch's merges)."""
+    bufs = getattr(layer, "buffers", None)
+    keys = layer.keys
+    if (bufs is None or keys.dim() != 4 or keys.data_ptr() != bufs[0].data_ptr()
+            or keys.shape[:2] != bufs[0].shape[:2] or keys.stride() != bufs[0].stride()):
+        return None
+    return bufs
+
+
 def room_for(width: int) -> int:
     """Spare cache columns a buffer gets beyond `width` (room_cache)."""
     return max(64, width // 4)
@@ -475,9 +485,8 @@ def room_layer():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-            new, bufs = key_states.shape[-2], self.buffers
-            if (bufs is None or held + new > bufs[0].shape[-2] or self.keys.data_ptr() != bufs[0].data_ptr()
-                    or self.keys.shape[:2] != bufs[0].shape[:2] or self.keys.stride() != bufs[0].stride()):
+            new, bufs = key_states.shape[-2], _buffers_of(self)
+            if bufs is None or held + new > bufs[0].shape[-2]:
                 shape = (*key_states.shape[:2], held + new + room_for(held + new), key_states.shape[-1])
                 bufs = self.buffers = (key_states.new_empty(shape), value_states.new_empty(shape))
                 if held:
