@@ -275,6 +275,39 @@ def test_the_stream_cache_is_as_wide_as_its_longest_row_and_grows_in_place(model
     assert len(in_place) > 20 and all(in_place)  # (the room: 64 columns, more than this test's steps)
 
 
+def test_finished_rows_stay_in_the_cache_until_a_quarter_have_finished_or_rows_join(models):
+    """A finished row is not copied out of the cache at once (each drop re-packs the whole cache):
+    it stays, unsampled, until finished rows are 1/4 of the batch (DROP_FINISHED) or rows join,
+    whose merge drops it. Every row still equals transformers' greedy `generate` of it alone."""
+    import torch
+
+    from stages.engines.hf import DROP_FINISHED, HFEngine, StreamBatch
+
+    assert DROP_FINISHED == 4
+    engine = HFEngine()
+    engine.start(EngineSpec(engine="hf", model_dir=str(models[0]), rollout=()))
+    prompts = [[1, 5, 9, 13, 20 + p] + [30 + p] * (p % 3) for p in range(10)]
+    limits = [2, 3, 10, 10, 10, 10, 10, 10, 6, 6]  # rows 8 and 9 join at step 3
+    batch = StreamBatch(engine.model, engine.eos_ids, engine.pad_id, "cpu")
+    greedy = Sampling(do_sample=False, max_new_tokens=10)
+    out, sizes = {}, []
+    with torch.inference_mode():
+        for i in range(8):
+            batch.add(i, prompts[i], 0, limits[i])
+        while batch.busy():
+            if len(sizes) == 2:  # row 0 has finished and is still in the cache
+                for i in (8, 9):
+                    batch.add(i, prompts[i], 0, limits[i])
+            out.update({k: g.response_ids for k, g in batch.step(greedy)})
+            sizes.append((len(batch.rows), batch.running()))
+    assert [out[i] for i in range(10)] == [transformers_greedy(engine, p, m) for p, m in zip(prompts, limits)]
+    assert [len(out[i]) for i in (0, 1)] == [2, 3]  # no EOS before the limits: the steps below hold
+    # (rows in the cache, rows running) after each step. 2: row 0 ends and stays (1/8 finished);
+    # 3: rows 8-9 join, the merge drops row 0, row 1 ends and stays (1/9); 8: rows 8-9 end too,
+    # 3/9 >= 1/4: dropped; 10: the last six end
+    assert sizes == [(8, 8), (8, 7), (9, 8), (9, 8), (9, 8), (9, 8), (9, 8), (6, 6), (6, 6), (0, 0)]
+
+
 def test_a_cache_selection_takes_rows_and_columns_of_a_view_with_room():
     """stages.engines.hf._select (the re-pack's one index_select over the cache's storage) equals
     indexing rows then gathering columns, on a view of a buffer with spare columns and on a

@@ -230,10 +230,11 @@ def sample_rows(logits, sampling: Sampling, seeds, counters):
 
 
 class _StreamRow:
-    __slots__ = ("key", "seed", "max_new", "ids", "tokens", "log_probs")
+    __slots__ = ("key", "seed", "max_new", "ids", "tokens", "log_probs", "done")
 
     def __init__(self, key, ids, seed, max_new):
         self.key, self.seed, self.max_new, self.ids = key, int(seed), int(max_new), list(ids)
+        self.done = False  # finished: still in the cache until the batch drops its finished rows
         self.tokens: list[int] = []
         self.log_probs: list[float] = []
 
@@ -243,7 +244,8 @@ class StreamBatch:
     DynamicCache (rows, heads, columns, head dim) with its attention mask. A step feeds every
     running row its last sampled token (one forward), prefills the rows that join (one forward)
     and merges their caches in, samples one token per row, and drops the rows that finished (and
-    the cache columns no row uses any more).
+    the cache columns no row uses any more): not at once, since each drop copies the whole cache,
+    but once finished rows are DROP_FINISHED's share of it or when rows join (the merge's copy).
 
     `keep_finished` (the agent loop's stream): a finished row's cache is kept under its key, and
     when a request of that key joins again with a context that extends it (the turn's tokens, then
@@ -259,7 +261,8 @@ class StreamBatch:
         self.keep_finished = keep_finished
         self.kept: dict = {}  # key -> (the ids its cache holds, [(keys, values)] per layer: (1, heads, len, dim))
         self.prefilled = 0  # context tokens fed through prefills (a join over a kept cache: only the new ones)
-        self.rows: list[_StreamRow] = []
+        self.rows: list[_StreamRow] = []  # the cache's rows, finished ones (done) until dropped
+        self.finished = 0  # rows of self.rows that are done
         self.joining: list[_StreamRow] = []
         self.cache = None
         self.mask = None     # (rows, columns) long: 1 where the cache holds a real token
@@ -269,10 +272,10 @@ class StreamBatch:
         self.joining.append(_StreamRow(key, ids, seed, max_new))
 
     def busy(self) -> bool:
-        return bool(self.rows or self.joining)
+        return bool(self.finished < len(self.rows) or self.joining)
 
     def running(self) -> int:
-        return len(self.rows) + len(self.joining)
+        return len(self.rows) - self.finished + len(self.joining)
 
     def step(self, sampling: Sampling) -> list:
         """One engine step; returns [(key, Generation)] of the rows that finished in it."""
@@ -288,6 +291,8 @@ class StreamBatch:
             self.lengths = self.lengths + 1
             parts.append(out.logits[:, -1, :])
         if self.joining:
+            if parts and self.finished:  # the merge drops the finished rows from the batch
+                parts[0] = parts[0][[i for i, row in enumerate(self.rows) if not row.done]]
             parts.append(self._join())
         logits = (parts[0] if len(parts) == 1 else torch.cat(parts)).float().cpu()
         seeds = torch.tensor([r.seed for r in self.rows], dtype=torch.long)
@@ -298,8 +303,10 @@ class StreamBatch:
             temp = 1.0 if sampling.greedy else sampling.temperature
             lps = torch.log_softmax(logits / temp, dim=-1).gather(
                 -1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
-        done, keep = [], []
+        done = []
         for i, (row, tok) in enumerate(zip(self.rows, tokens)):
+            if row.done:
+                continue
             row.tokens.append(int(tok))
             if lps is not None:
                 row.log_probs.append(float(lps[i]))
@@ -311,10 +318,10 @@ class StreamBatch:
                     self.kept[row.key] = (row.ids + row.tokens[:-1],
                                           [(layer.keys[i:i + 1, :, real], layer.values[i:i + 1, :, real])
                                            for layer in self.cache.layers])
-            else:
-                keep.append(i)
-        if len(keep) < len(self.rows):
-            self._keep(keep)
+                row.done = True
+                self.finished += 1
+        if self.finished and self.finished * DROP_FINISHED >= len(self.rows):
+            self._keep([i for i, row in enumerate(self.rows) if not row.done])
         return done
 
     def _join(self):
@@ -375,13 +382,17 @@ class StreamBatch:
             self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
             self.lengths = torch.cat([self.lengths, lengths])
         self.rows += rows
-        self._repack()
+        if self.finished:  # the re-pack's copy drops them
+            self._keep([i for i, row in enumerate(self.rows) if not row.done])
+        else:
+            self._repack()
 
     def _keep(self, keep: list) -> None:
         """Only the rows `keep` (indices) go on (the cache re-packed to their longest)."""
         import torch
 
         self.rows = [self.rows[i] for i in keep]
+        self.finished = sum(row.done for row in self.rows)
         if not keep:
             self.cache = self.mask = self.lengths = None
             return
@@ -452,6 +463,9 @@ def _buffers_of(layer):
             or keys.shape[:2] != bufs[0].shape[:2] or keys.stride() != bufs[0].stride()):
         return None
     return bufs
+
+
+DROP_FINISHED = 4  # finished rows leave the cache once they are 1/4 of its rows (or when rows join)
 
 
 def room_for(width: int) -> int:
