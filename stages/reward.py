@@ -53,7 +53,7 @@ def run(ctx) -> dict:
     if table.num_rows != rollout.num_rows:  # cannot happen unless score_batch drops rows
         raise RuntimeError(f"reward table has {table.num_rows} rows, rollout has {rollout.num_rows}")
     files = {"reward.parquet": table}
-    baseline = baseline_answers.read_answers(ctx)
+    baseline = baseline_answers.read_answers(ctx) if baseline_answers.needs_baseline(ctx) else None
     if baseline is not None:
         t1 = time.perf_counter()
         scored, baseline_metrics, _ = score_rows(ctx, baseline, "baseline score")
@@ -178,7 +178,7 @@ def reward_table(results: list[dict], scores: list[float], rm_scores=None, overl
         "score": scores,
         "acc": [0.0 if r["error"] else float(r["acc"]) if r["acc"] is not None else float(r["score"])
                 for r in results],
-        "extras": [json.dumps(r["extras"], sort_keys=True, default=str) for r in results],
+        "extras": [json.dumps(r["extras"], sort_keys=True, default=str) if r["extras"] else "{}" for r in results],
         "error": [r["error"] for r in results],
     }
     if rm_scores is not None:

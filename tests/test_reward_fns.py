@@ -128,7 +128,8 @@ def test_empty_batch_and_bad_arguments(reward_file):
 
 def test_num_workers_0_scores_a_custom_function_in_this_process(tmp_path):
     """reward.num_workers=0: the user's function runs in the calling process (verl's reward manager,
-    TRL's reward_funcs), its errors still the rows' errors; an edit of the file is used at the next call."""
+    TRL's reward_funcs), its errors still the rows' errors; the file is imported once per content: an edit is used at the
+    next call."""
     path = tmp_path / "pid_reward.py"
     path.write_text("import os\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
                     "    if ground_truth == 'boom':\n        raise ValueError('no')\n    return float(os.getpid())\n")
@@ -140,6 +141,10 @@ def test_num_workers_0_scores_a_custom_function_in_this_process(tmp_path):
     assert score_batch(rows[:1], {"path": str(path)}, num_workers=0, timeout_s=1)[0][0]["score"] == 7.0
     two, _ = score_batch(rows[:1], {"path": str(str(tmp_path / "pid_reward.py"))}, num_workers=1, timeout_s=5)
     assert two[0]["score"] == 7.0  # the same function in a worker process
+    path.write_text("SEEN = []\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    SEEN.append(1)\n    return float(len(SEEN))\n")
+    firsts = [score_batch(rows, {"path": str(path)}, num_workers=0, timeout_s=1)[0] for _ in range(2)]
+    assert [r["score"] for batch in firsts for r in batch] == [1.0, 2.0, 3.0, 4.0]  # imported once per content
 
 
 def test_user_file_with_dataclass_result(tmp_path):
@@ -179,7 +184,7 @@ def test_load_reward_fn_defaults_and_in_process_call(reward_file):
 
 @pytest.mark.parametrize("value, expected_error", [
     ({"acc": True}, "without 'score'"), ("high", "expected a number"), (None, "expected a number"),
-    (float("inf"), "non-finite"),
+    (float("inf"), "non-finite"), (float("nan"), "non-finite"),
 ])
 def test_normalise_result_rejects_unusable_values(value, expected_error):
     outcome = normalise_result(value)

@@ -194,11 +194,11 @@ def unpad_arrow(tensor, lengths):
     import pyarrow as pa
     import torch
 
-    lengths = torch.as_tensor(lengths, dtype=torch.long)
-    keep = torch.arange(tensor.shape[1])[None, :] < lengths[:, None]
-    values = tensor.detach().cpu()[keep].to(torch.float32).numpy()
+    lengths = torch.as_tensor(lengths, dtype=torch.long).numpy()
+    values = tensor.detach().cpu().to(torch.float32).numpy()  # numpy's mask: no OpenMP region
+    values = values[np.arange(values.shape[1])[None, :] < lengths[:, None]]
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths.numpy(), out=offsets[1:])
+    np.cumsum(lengths, out=offsets[1:])
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.float32()))
 
 

@@ -433,7 +433,8 @@ def score_in_process(rows: Sequence[Mapping], fn_spec=None, strict: bool = False
     """Score rows in this process (see in_process): no worker round trip (on the 720 short rows
     of the peer bench's step the workers' messages cost 15-50 ms of a 20-55 ms stage). Results,
     errors, metrics and strict are as ScorerPool.score's; no timeout is enforced (no worker to
-    stop). A custom file is imported again at each call, so an edit between steps is used."""
+    stop). A custom file is imported again when its content changed, so an edit between steps is
+    used."""
     fn = load_reward_fn(fn_spec)
     results, errors = [], 0
     for index, row in enumerate(rows):

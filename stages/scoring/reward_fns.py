@@ -17,7 +17,8 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 from stages.scoring.scorers import default_compute_score
 
@@ -59,18 +60,7 @@ def load_reward_fn(spec: "RewardFnSpec | Mapping | None") -> Callable[..., Any]:
         if not os.path.isfile(path):
             raise RewardFunctionNotFound(
                 f"custom_reward_function.path {spec.path!r} does not exist (looked for {path})")
-        module_name = "stagerl_custom_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        if module_spec is None or module_spec.loader is None:
-            raise RewardFunctionNotFound(f"custom_reward_function.path {path!r} is not a Python file")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # as verl does; dataclasses and pickling need it
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:
-            sys.modules.pop(module_name, None)
-            raise RewardFunctionNotFound(
-                f"custom_reward_function.path {path!r} failed to import: {describe_error(exc)}") from exc
+        module = _import_file(path)
         fn = getattr(module, spec.name, None)
         if not callable(fn):
             available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -78,6 +68,32 @@ def load_reward_fn(spec: "RewardFnSpec | Mapping | None") -> Callable[..., Any]:
                 f"reward function {spec.name!r} not found in custom_reward_function.path {path!r} "
                 f"(callables there: {', '.join(available) or 'none'})")
     return partial(fn, **spec.reward_kwargs) if spec.reward_kwargs else fn
+
+
+_IMPORTED: dict = {}  # path -> (sha256 of the file's bytes, its module): imported again when it changes
+
+
+def _import_file(path: str):
+    """The module of a reward file, imported once per content (an edit between steps is used)."""
+    with open(path, "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()
+    known = _IMPORTED.get(path)
+    if known is not None and known[0] == digest:
+        return known[1]
+    module_name = "stagerl_custom_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardFunctionNotFound(f"custom_reward_function.path {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # as verl does; dataclasses and pickling need it
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise RewardFunctionNotFound(
+            f"custom_reward_function.path {path!r} failed to import: {describe_error(exc)}") from exc
+    _IMPORTED[path] = (digest, module)
+    return module
 
 
 def describe_error(exc: BaseException) -> str:
@@ -95,6 +111,9 @@ def _failed(error: str) -> dict:
 
 def normalise_result(result: Any) -> dict:
     """A reward function's return value as {score, acc, extras, error}."""
+    if type(result) is float or type(result) is int:  # the common case, without the checks below
+        if math.isfinite(result):
+            return {"score": float(result), "acc": None, "extras": {}, "error": None}
     extras: dict = {}
     acc = None
     if isinstance(result, Mapping):
