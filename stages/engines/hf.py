@@ -24,14 +24,19 @@ from stages.progress import progress
 
 
 def _left_pad(rows: list[list[int]], pad_id: int):
+    """(ids, mask) of rows right-aligned in a (rows, longest) tensor (numpy's masked assignment:
+    torch's runs an OpenMP region, slow beside other work on a small CPU)."""
+    import itertools
+
+    import numpy as np
     import torch
 
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     width = int(lengths.max())
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]  # each row's last len(r) cells
-    ids[mask] = torch.tensor([t for r in rows for t in r], dtype=torch.long)  # row-major: in order
-    return ids, mask.long()
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.arange(width)[None, :] >= (width - lengths)[:, None]  # each row's last len(r) cells
+    ids[mask] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
 
 class HFEngine(Engine):
