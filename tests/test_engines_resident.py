@@ -81,6 +81,47 @@ def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models,
     assert all(len(lp) == len(ids) for ids, lp in rows_b)
 
 
+def test_a_version_folder_loads_into_every_worker_and_a_failed_load_leaves_them_answering(models, tmp_path):
+    """RolloutEngines.take_folder (the update's folder handoff at several ranks) sends the load to
+    every worker, then reads every reply: the rows then equal a fresh engine's on those weights with
+    nothing loaded again; a load that fails in both workers raises, and each worker's next reply is
+    still its next request's (the next load and generate are right)."""
+    import shutil
+
+    from stages.engines import EngineError
+
+    a, b = models
+    broken = tmp_path / "broken"
+    shutil.copytree(b, broken)
+    (broken / "model.safetensors").write_bytes((b / "model.safetensors").read_bytes()[:100])
+    prompts, seeds = _rows()
+    sampling = Sampling(temperature=1.0, max_new_tokens=10, n=2, log_probs=True)
+
+    def generate(engines, model_dir, version):
+        options = _options(model_dir, 2)
+        options.weights_version = version
+        gens = engines.generate("hf", prompts, seeds, sampling, options)
+        return [(g.response_ids, g.log_probs) for g in gens], options.timings
+
+    fresh_a, _ = _generate(RolloutEngines(resident=False), "hf", a, 2)
+    fresh_b, _ = _generate(RolloutEngines(resident=False), "hf", b, 2)
+    resident = RolloutEngines(resident=True)
+    try:
+        generate(resident, a, None)
+        assert resident.take_folder(b, "v-b") > 0
+        assert sorted((w.loaded, w.version) for w in resident.workers.values()) == [(str(b), "v-b")] * 2
+        rows, timings = generate(resident, b, "v-b")
+        assert rows == fresh_b and timings["load_weights_s"] == 0
+        with pytest.raises(EngineError):
+            resident.take_folder(broken, "v-broken")
+        assert [w.version for w in resident.workers.values()] == [None, None]  # held: unknown
+        resident.take_folder(a, "v-a")
+        rows, timings = generate(resident, a, "v-a")
+        assert rows == fresh_a and timings["load_weights_s"] == 0 and len(resident.pids()) == 2
+    finally:
+        resident.close()
+
+
 def test_hf_with_one_replica_stays_in_this_process(models):
     """hf, one replica, CPU: the run's engine lives in this process (no worker to start), is
     started once and takes new weights in place; the rows equal a fresh engine's."""

@@ -272,18 +272,28 @@ class RolloutEngines:
 
     def take_folder(self, folder, version: str) -> float:
         """Load a version folder into every engine started so far (the others load it when they
-        start); returns the seconds of the slowest."""
+        start), the workers all at once; returns the seconds of the slowest."""
         took = 0.0
-        if self.local is not None:
-            key, engine, _ = self.local
-            self.local_version = None
-            took = engine.load_weights(str(folder))["load_weights_s"]
-            self.local, self.local_version = (key, engine, str(folder)), version
-        for worker in self.workers.values():
-            if worker.alive() and getattr(worker, "started", False):
-                worker.version = None
-                took = max(took, worker.call("load", str(folder))["load_weights_s"])
-                worker.loaded, worker.version = str(folder), version
+        loading = [w for w in self.workers.values() if w.alive() and getattr(w, "started", False)]
+        for worker in loading:
+            worker.version = None
+            worker.send("load", str(folder))
+        failed = None
+        try:
+            if self.local is not None:
+                key, engine, _ = self.local
+                self.local_version = None
+                took = engine.load_weights(str(folder))["load_weights_s"]
+                self.local, self.local_version = (key, engine, str(folder)), version
+        finally:
+            for worker in loading:  # every reply is read, so each worker's next reply is its next request's
+                try:
+                    took = max(took, worker.result()["load_weights_s"])
+                    worker.loaded, worker.version = str(folder), version
+                except Exception as exc:  # noqa: BLE001 - the first failure is raised below
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
         return took
 
     def _in_process(self, specs, shares, prompt_ids, row_seeds, sampling, options, t0) -> list[Generation]:
