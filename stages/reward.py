@@ -20,7 +20,6 @@ reward/baseline/acc/mean.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -131,8 +130,9 @@ def stage_fingerprint(ctx) -> str:
     path = ctx.get("custom_reward_function.path")
     if not path:
         return base
-    full = os.path.abspath(os.path.expanduser(path))
-    digest = hashlib.sha256(open(full, "rb").read()).hexdigest() if os.path.isfile(full) else None
+    from stages.scoring.reward_fns import reward_file_sha256
+
+    digest = reward_file_sha256(os.path.abspath(os.path.expanduser(path)))
     return hash_obj({"base": base, "custom_reward_file_sha256": digest})
 
 

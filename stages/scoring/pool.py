@@ -25,7 +25,6 @@ rows) holds no idle processes, and a one-shot pool behaves exactly like the old 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import multiprocessing
 import os
@@ -37,7 +36,7 @@ from multiprocessing.connection import wait
 from typing import Mapping, Sequence
 
 from stages.scoring.reward_fns import (
-    RewardFnSpec, RewardScoringError, _failed, describe_error, load_reward_fn, score_row)
+    RewardFnSpec, RewardScoringError, _failed, describe_error, load_reward_fn, reward_file_sha256, score_row)
 
 WORKER_STARTUP_TIMEOUT_S = 120.0
 WORKER_EXIT_GRACE_S = 2.0   # a worker asked to exit that has not within this is killed
@@ -171,9 +170,8 @@ def _stop_workers(workers: list[_Worker]) -> None:
 
 def _reward_file_state(path: str | None) -> tuple:
     """(cheap stat key, SHA-256 of the content) of the reward file; (None, None) when missing."""
-    if path is None or not os.path.isfile(path):
-        return None, None
-    return _stat_key(path), hashlib.sha256(open(path, "rb").read()).hexdigest()
+    digest = reward_file_sha256(path)
+    return (None, None) if digest is None else (_stat_key(path), digest)
 
 
 def _stat_key(path: str):

@@ -73,10 +73,18 @@ def load_reward_fn(spec: "RewardFnSpec | Mapping | None") -> Callable[..., Any]:
 _IMPORTED: dict = {}  # path -> (sha256 of the file's bytes, its module): imported again when it changes
 
 
+def reward_file_sha256(path: str | None) -> str | None:
+    """SHA-256 of a reward file's content; None when there is no such file. What the reward
+    stage's fingerprint, the scorer pool's restart and the import below key on."""
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
 def _import_file(path: str):
     """The module of a reward file, imported once per content (an edit between steps is used)."""
-    with open(path, "rb") as fh:
-        digest = hashlib.sha256(fh.read()).hexdigest()
+    digest = reward_file_sha256(path)
     known = _IMPORTED.get(path)
     if known is not None and known[0] == digest:
         return known[1]
