@@ -282,6 +282,10 @@ class StreamBatch:
     def running(self) -> int:
         return len(self.rows) - self.finished + len(self.joining)
 
+    def _unfinished(self) -> list:
+        """Indices of the cache's rows that have not finished."""
+        return [i for i, row in enumerate(self.rows) if not row.done]
+
     def step(self, sampling: Sampling) -> list:
         """One engine step; returns [(key, Generation)] of the rows that finished in it."""
         import torch
@@ -297,7 +301,7 @@ class StreamBatch:
             parts.append(out.logits[:, -1, :])
         if self.joining:
             if parts and self.finished:  # the merge drops the finished rows from the batch
-                parts[0] = parts[0][[i for i, row in enumerate(self.rows) if not row.done]]
+                parts[0] = parts[0][self._unfinished()]
             parts.append(self._join())
         logits = (parts[0] if len(parts) == 1 else torch.cat(parts)).float().cpu()
         seeds = torch.tensor([r.seed for r in self.rows], dtype=torch.long)
@@ -326,7 +330,7 @@ class StreamBatch:
                 row.done = True
                 self.finished += 1
         if self.finished and self.finished * DROP_FINISHED >= len(self.rows):
-            self._keep([i for i, row in enumerate(self.rows) if not row.done])
+            self._keep(self._unfinished())
         return done
 
     def _join(self):
@@ -388,7 +392,7 @@ class StreamBatch:
             self.lengths = torch.cat([self.lengths, lengths])
         self.rows += rows
         if self.finished:  # the re-pack's copy drops them
-            self._keep([i for i, row in enumerate(self.rows) if not row.done])
+            self._keep(self._unfinished())
         else:
             self._repack()
 
