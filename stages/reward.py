@@ -145,11 +145,21 @@ def scoring_rows(rollout: pa.Table, reward_fn_key: str) -> list[dict]:
     responses = rollout.column("response").to_pylist()
     truths = rollout.column("ground_truth").to_pylist()
     extras = rollout.column("extra_info").to_pylist()
-    rows = []
+    rows, flat = [], {}  # flat: extra_info text -> its object when that is a dict of scalars
     for i, (source, response, truth, extra) in enumerate(zip(sources, responses, truths, extras)):
+        parsed = flat.get(extra)  # the n samples of a prompt share its text: parsed once, each
+        if parsed is not None:    # row gets its own copy (a function may change the dict it gets)
+            info = dict(parsed)
+        else:
+            info = parse_extra_info(extra, i)
+            if type(info) is dict and all(v is None or type(v) in _SCALARS for v in info.values()):
+                flat[extra] = dict(info)
         rows.append({"data_source": source, "solution_str": response or "",
-                     "ground_truth": truth, "extra_info": parse_extra_info(extra, i)})
+                     "ground_truth": truth, "extra_info": info})
     return rows
+
+
+_SCALARS = (str, int, float, bool)
 
 
 def parse_extra_info(text, row: int):

@@ -170,6 +170,8 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     With multi_turn.enable each row runs its agent loop (stages.engines.agent_loop): the columns
     gain response_mask and num_turns, and `turns_out` (when given) one dict per turn and tool call
     (the rollout/turns.parquet rows)."""
+    from stages.model.models import decode_batch
+
     n = sampling.n
     prompt_ids = [list(p.prompt_ids) for p in prompts for _ in range(n)]
     for row, ids in enumerate(prompt_ids):
@@ -196,9 +198,9 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     # resident workers decode next to the engine (this process then needs no tokenizer)
     prompt_text = engines.decode([p.prompt_ids for p in prompts], skip_special_tokens=False)
     if prompt_text is None:
-        prompt_text = tokenizer().batch_decode([p.prompt_ids for p in prompts], skip_special_tokens=False)
+        prompt_text = decode_batch(tokenizer(), [p.prompt_ids for p in prompts], skip_special_tokens=False)
     if any(g.text is None for g in gens):
-        responses = tokenizer().batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+        responses = decode_batch(tokenizer(), [g.response_ids for g in gens], skip_special_tokens=True)
     else:
         responses = [g.text for g in gens]
     columns = {"uid": [], "sample_index": [], "prompt": [], "prompt_ids": [], "response": responses,
@@ -346,7 +348,9 @@ def generate_baseline(ctx, columns: dict, sampling: Sampling, model_dir, tokeniz
     gens = engines.generate(engine, prompt_ids, [derive_seed(base, i) for i in range(len(rows))], greedy, options)
     engines.sleep()
     if any(g.text is None for g in gens):
-        responses = tokenizer().batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+        from stages.model.models import decode_batch
+
+        responses = decode_batch(tokenizer(), [g.response_ids for g in gens], skip_special_tokens=True)
     else:
         responses = [g.text for g in gens]
     out = {name: [columns[name][r] for r in rows]

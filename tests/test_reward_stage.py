@@ -165,3 +165,25 @@ def test_nan_score_is_refused_naming_the_rows(tmp_path):
     with pytest.raises(reward_stage.NonFiniteScoreError, match=r"2 row\(s\): rows 1, 4$"):
         reward_stage.run(ctx)
     assert read_manifest(ctx.store, ctx.layout, 1, "reward") is None
+
+
+def test_scoring_rows_parse_each_extra_info_text_once_and_give_every_row_its_own_dict():
+    """The n samples of a prompt share its extra_info text: a flat dict is parsed once and each
+    row gets a copy (a reward function that changes its dict changes no other row's); a nested
+    one, whose inner objects a copy would share, is parsed for every row."""
+    import pyarrow as pa
+
+    flat, nested = json.dumps({"index": 3, "split": "train"}), json.dumps({"index": 4, "tools": {"a": [1]}})
+    texts = [flat, flat, flat, nested, nested, None, ""]
+    rollout = pa.table({"data_source": ["s"] * 7, "response": ["r"] * 7, "ground_truth": ["1"] * 7,
+                        "extra_info": texts})
+    rows = reward_stage.scoring_rows(rollout, "data_source")
+    infos = [r["extra_info"] for r in rows]
+    assert infos == [{"index": 3, "split": "train"}] * 3 + [{"index": 4, "tools": {"a": [1]}}] * 2 + [None, None]
+    infos[0]["index"] = 99  # what a function changing its extra_info does
+    infos[3]["tools"]["a"].append(2)
+    assert infos[1] == infos[2] == {"index": 3, "split": "train"}
+    assert infos[4] == {"index": 4, "tools": {"a": [1]}}
+    with pytest.raises(reward_stage.RewardInputError, match="row 1: extra_info is not valid JSON"):
+        reward_stage.scoring_rows(pa.table({"data_source": ["s"] * 2, "response": ["r"] * 2,
+                                            "ground_truth": ["1"] * 2, "extra_info": [flat, "{bad"]}), "data_source")

@@ -102,3 +102,20 @@ def test_cli_model_tiny(tiny_dir, tmp_path, capsys):
     assert "vocab 512" in capsys.readouterr().out
     assert main(["model", "tiny", "--out", str(tmp_path / "bad"), "--num-heads", "4"]) == 2
     assert "head_dim" in capsys.readouterr().err
+
+
+def test_decode_batch_gives_batch_decodes_strings(tiny_dir):
+    """stages.model.models.decode_batch (the rollout's and the engine workers' decode) goes
+    through the Rust tokenizer's batch decode only where that gives batch_decode's strings."""
+    from stages.model.models import decode_batch, load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    ids = [_ids(tok(text)) + [tok.eos_token_id] for text in SAMPLES] + [[], [tok.eos_token_id]]
+    assert tok.clean_up_tokenization_spaces is False  # the Rust path is the one taken
+    for skip in (True, False):
+        fast = decode_batch(tok, ids, skip_special_tokens=skip)
+        assert fast == tok.batch_decode(ids, skip_special_tokens=skip)
+        assert fast[:len(SAMPLES)] == ([text.replace("<|im_start|>", "").replace("<|im_end|>", "") for text in SAMPLES]
+                                       if skip else [text + tok.eos_token for text in SAMPLES])
+    tok.clean_up_tokenization_spaces = True  # the Python layer would change the text: its path
+    assert decode_batch(tok, ids, skip_special_tokens=True) == tok.batch_decode(ids, skip_special_tokens=True)

@@ -155,7 +155,7 @@ def _handle(engine, op: str, arg):
         gens = engine.generate(arg["prompt_ids"], arg["seeds"], Sampling(**arg["sampling"]),
                                arg["replica"], arg["step_seed"], arg["rollout"])
         t1 = time.perf_counter()
-        texts = (_tokenizer(engine).batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+        texts = (_decode(engine, [g.response_ids for g in gens], True)
                  if arg.get("decode") else [None] * len(gens))
         rows = [(g.response_ids, g.finish_reason, g.log_probs, text) for g, text in zip(gens, texts)]
         return engine, {"rows": rows, "generate_s": round(t1 - t0, 4),
@@ -170,7 +170,7 @@ def _handle(engine, op: str, arg):
         engine.end_stream()
         return engine, None
     if op == "decode":
-        return engine, _tokenizer(engine).batch_decode(arg["ids"], skip_special_tokens=arg["skip_special_tokens"])
+        return engine, _decode(engine, arg["ids"], arg["skip_special_tokens"])
     if op == "sleep":
         engine.sleep()
         return engine, None
@@ -189,6 +189,12 @@ def _tokenizer(engine):
 
         _TOKENIZER["tokenizer"] = load_tokenizer(_TOKENIZER["dir"])
     return _TOKENIZER["tokenizer"]
+
+
+def _decode(engine, id_lists, skip_special_tokens: bool) -> list[str]:
+    from stages.model.models import decode_batch
+
+    return decode_batch(_tokenizer(engine), id_lists, skip_special_tokens=skip_special_tokens)
 
 
 def serve(fd: int) -> int:

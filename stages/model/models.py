@@ -53,6 +53,17 @@ def load_tokenizer(path):
     return tok
 
 
+def decode_batch(tokenizer, id_lists, skip_special_tokens: bool) -> list[str]:
+    """tokenizer.batch_decode(id_lists, skip_special_tokens=...), the same strings, through the
+    Rust tokenizer's own batch decode when the Python layer would add nothing to it (a fast
+    tokenizer, no clean-up of tokenization spaces): batch_decode converts and checks every id
+    in Python first, ~2x the whole decode of a step's 720 short responses."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True) or not hasattr(backend, "decode_batch"):
+        return tokenizer.batch_decode(id_lists, skip_special_tokens=skip_special_tokens)
+    return backend.decode_batch([list(ids) for ids in id_lists], skip_special_tokens=skip_special_tokens)
+
+
 def load_policy(path, dtype="float32", device="cpu"):
     """AutoModelForCausalLM from a local folder, in eval mode."""
     from transformers import AutoModelForCausalLM

@@ -124,7 +124,7 @@ def normalise_result(result: Any) -> dict:
             return {"score": float(result), "acc": None, "extras": {}, "error": None}
     extras: dict = {}
     acc = None
-    if isinstance(result, Mapping):
+    if type(result) is dict or isinstance(result, Mapping):  # (a dict without the ABC check)
         if "score" not in result:
             return _failed(f"reward function returned a dict without 'score' (keys: {sorted(result)})")
         extras = {k: v for k, v in result.items() if k not in ("score", "acc")}
