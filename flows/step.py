@@ -104,9 +104,11 @@ def retry_options(cfg: dict) -> dict:
 
 # ---- the stage task ---------------------------------------------------------------------------
 def summarize(manifest: dict, skipped: bool, seconds: float | None = None, started_at: float | None = None) -> dict:
-    """What a stage task returns: small, JSON-able (started_at: wall-clock seconds, for overlaps)."""
+    """What a stage task returns: small, JSON-able (started_at: wall-clock seconds, for overlaps;
+    committed: False while the stage commits in the background, its manifest not yet written)."""
     files = manifest.get("files") or {}
     return {"stage": manifest.get("stage"), "step": manifest.get("step"), "skipped": skipped,
+            "committed": not (manifest.get("extra") or {}).get("committing"),
             "fingerprint": manifest.get("fingerprint"), "rows": manifest.get("row_count"),
             "paths": {name: e.get("path") for name, e in files.items()},
             "timings": manifest.get("timings") or {}, "seconds": seconds, "started_at": started_at,
@@ -117,6 +119,7 @@ def execute_stage(stage: str, run: RunHandle, step: int, extra: dict | None = No
                   deployment: str | None = None):
     """Run one stage unless complete. Returns its summary, or a Cached state carrying it."""
     ctx = run.context(step, extra)
+    ctx.memo = {}  # this stage run reads each input's manifest once (StageContext.input_manifest)
     module = stage_module(stage)
     fingerprint = stage_fingerprint(module, ctx)
     manifest = read_manifest(ctx.store, ctx.layout, step, stage)

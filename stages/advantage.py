@@ -31,7 +31,7 @@ import torch
 from configs.plan import uses_critic
 from stages.batches.batching import unpad_arrow
 from storage.artifacts import fingerprint as hash_obj
-from storage.artifacts import read_manifest, read_table, require_manifest, write_table
+from storage.artifacts import read_manifest, require_manifest, write_table
 from storage.schemas import make_table
 
 STAGE = "advantage"
@@ -146,9 +146,9 @@ def load_batch(ctx, need_values: bool, need_ref: bool, need_policy: tuple = ()) 
     rollout.response_length, and the (bs, max_prompt_length + T) attention mask for metrics.
     need_policy: logprob columns of the actor's pass the estimator declared it needs
     (old_log_probs, sum_pi_squared)."""
-    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
-    logprob = read_table(ctx.store, ctx.layout, ctx.step, "logprob")
-    reward = read_table(ctx.store, ctx.layout, ctx.step, "reward")
+    rollout = ctx.read_input("rollout")
+    logprob = ctx.read_input("logprob")
+    reward = ctx.read_input("reward")
     check_same_rollout(ctx, rollout.num_rows, logprob.num_rows, reward.num_rows)
 
     lengths = rollout.column("response_length").to_pylist()
@@ -211,15 +211,18 @@ def check_same_rollout(ctx, rollout_rows: int, logprob_rows: int, reward_rows: i
             raise AdvantageInputError(
                 f"step {ctx.step}: {name}.parquet has {rows} rows but rollout.parquet has "
                 f"{rollout_rows}; the {name} stage must write one row per rollout row, in order")
-    rollout_fp = require_manifest(ctx.store, ctx.layout, ctx.step, "rollout")["fingerprint"]
+    rollout_fp = _input_manifest(ctx, "rollout")["fingerprint"]
     for name in ("logprob", "reward"):
-        recorded = (require_manifest(ctx.store, ctx.layout, ctx.step, name).get("inputs") or {}
-                    ).get("rollout")
+        recorded = (_input_manifest(ctx, name).get("inputs") or {}).get("rollout")
         if recorded is not None and recorded != rollout_fp:
             raise AdvantageInputError(
                 f"step {ctx.step}: {name}.parquet was computed from another rollout (its manifest "
                 f"lists rollout fingerprint {recorded[:12]}, the step's rollout is "
                 f"{rollout_fp[:12]}); rerun the {name} stage")
+
+
+def _input_manifest(ctx, name: str) -> dict:
+    return ctx.input_manifest(name) or require_manifest(ctx.store, ctx.layout, ctx.step, name)
 
 
 def check_widths(lengths, width: int, what: str, key: str) -> None:

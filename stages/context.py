@@ -17,7 +17,7 @@ from pathlib import Path
 
 from configs.loader import get_path
 from storage.artifacts import fingerprint as hash_obj
-from storage.artifacts import read_manifest
+from storage.artifacts import read_manifest, read_table
 from storage.layout import RunLayout
 from storage.store import Store
 
@@ -37,6 +37,24 @@ class StageContext:
     step: int
     extra: dict = field(default_factory=dict)  # flow-provided state (e.g. dataset position, KL controller)
     session: object = None  # stages.session.RunSession of a training run (never serialised), or None
+    memo: dict | None = None  # one stage run's (flows.step.execute_stage): its inputs' manifests and
+    #                           its fingerprints, read and computed once; None: read every time
+
+    def input_manifest(self, name: str) -> dict | None:
+        """The manifest of this step's stage `name` (an input), or None while it is incomplete.
+        With `memo`, read once: a stage runs only once its inputs are complete, and they stay so
+        while it runs."""
+        key = ("manifest", self.step, name)  # a copy for another step (dataclasses.replace) shares the memo
+        if self.memo is not None and key in self.memo:
+            return self.memo[key]
+        manifest = read_manifest(self.store, self.layout, self.step, name)
+        if self.memo is not None and manifest is not None:
+            self.memo[key] = manifest
+        return manifest
+
+    def read_input(self, name: str):
+        """The verified main table of this step's stage `name` (storage.artifacts.read_table)."""
+        return read_table(self.store, self.layout, self.step, name, manifest=self.input_manifest(name))
 
     @classmethod
     def create(cls, cfg: dict, plan: dict, step: int, store: Store | None = None) -> "StageContext":
@@ -51,18 +69,21 @@ class StageContext:
 
     def fingerprint(self, stage: str, config_keys, inputs=()) -> str:
         """Hash of the config sections a stage reads, its inputs' fingerprints, the seed and the step."""
+        memo_key = ("fingerprint", self.step, stage, tuple(config_keys), tuple(inputs))
+        if self.memo is not None and memo_key in self.memo:
+            return self.memo[memo_key]
         sections = {key: get_path(self.cfg, key) for key in config_keys}
-        upstream = {}
-        for name in inputs:
-            manifest = read_manifest(self.store, self.layout, self.step, name)
-            upstream[name] = manifest["fingerprint"] if manifest else None
-        return hash_obj({"stage": stage, "step": self.step, "seed": self.seed(stage),
-                         "config": sections, "inputs": upstream, "plan": self.plan})
+        upstream = self.input_fingerprints(inputs)
+        value = hash_obj({"stage": stage, "step": self.step, "seed": self.seed(stage),
+                          "config": sections, "inputs": upstream, "plan": self.plan})
+        if self.memo is not None and None not in upstream.values():
+            self.memo[memo_key] = value
+        return value
 
     def input_fingerprints(self, inputs) -> dict:
         out = {}
         for name in inputs:
-            manifest = read_manifest(self.store, self.layout, self.step, name)
+            manifest = self.input_manifest(name)
             out[name] = manifest["fingerprint"] if manifest else None
         return out
 

@@ -63,11 +63,11 @@ CHUNK = 1024  # positions per vocab projection
 def run(ctx) -> dict:
     """Compute the step's logprob.parquet (in rollout row order) and commit it."""
     from stages.ranks.launch import run_ranks
-    from storage.artifacts import read_table, write_table
+    from storage.artifacts import write_table
     from storage.schemas import make_table
 
     t0 = time.perf_counter()
-    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    rollout = ctx.read_input("rollout")
     n_rows = rollout.num_rows
     world = ctx.plan["actor"]["dp_size"]
     check_inputs(ctx, rollout, world)
@@ -261,13 +261,11 @@ def passes(plan) -> list[LogprobPass]:
 def rank_main(ctx, rank: int, world: int) -> dict:
     """This rank's share: {rows (step row indices), per-token columns (lists), loads, timings}."""
     from stages.ranks.launch import init_distributed, rank_device
-    from storage.artifacts import read_table
-
     device = str(ctx.extra.get("device") or ctx.get("trainer.device") or "cpu")
     if world > 1:
         init_distributed(device)
     device = rank_device(device)
-    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    rollout = ctx.read_input("rollout")
     prompts = rollout.column("prompt_ids").to_pylist()
     responses = rollout.column("response_ids").to_pylist()
     seqlens = [len(p) + len(r) for p, r in zip(prompts, responses)]

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from stages.batches.batching import restore_order
 from stages.data import baseline_answers
-from storage.artifacts import read_table, write_stage
+from storage.artifacts import write_stage
 from storage.schemas import make_table
 
 STAGE = "reward"
@@ -47,7 +47,7 @@ class NonFiniteScoreError(ValueError):
 
 
 def run(ctx) -> dict:
-    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    rollout = ctx.read_input("rollout")
     table, metrics, timings = score_rows(ctx, rollout)
     if table.num_rows != rollout.num_rows:  # cannot happen unless score_batch drops rows
         raise RuntimeError(f"reward table has {table.num_rows} rows, rollout has {rollout.num_rows}")

@@ -306,15 +306,14 @@ def engine_mismatch(ctx, results: list) -> dict:
     of the logprob stage's actor pass, or of the update's own first forward when that replaced it.
     Empty when the rollout stored no log-probs."""
     from stages.algos.rollout_correction import offpolicy_metrics, pad_rows
-    from storage.artifacts import read_table
 
-    rollout = read_table(ctx.store, ctx.layout, ctx.step, "rollout")
+    rollout = ctx.read_input("rollout")
     if "rollout_log_probs" not in rollout.schema.names or rollout.column("rollout_log_probs").null_count:
         return {}
     if results[0].get("log_probs") is not None:
         old = forward_log_probs_table(results, rollout.num_rows).column("old_log_probs").to_pylist()
     else:
-        old = read_table(ctx.store, ctx.layout, ctx.step, "logprob").column("old_log_probs").to_pylist()
+        old = ctx.read_input("logprob").column("old_log_probs").to_pylist()
     engine = rollout.column("rollout_log_probs").to_pylist()
     if [len(r) for r in old] != [len(r) for r in engine]:
         raise ValueError(f"step {ctx.step}: rollout_log_probs and the trainer's old log-probs differ in length")
@@ -342,7 +341,7 @@ def forward_log_probs_table(results: list, n_rows: int):
 def logprob_micro_batches(ctx) -> list:
     """The logprob stage's micro-batches of this step (its manifest extra["micro_batches"]) as
     records of role "logprob/<role>", epoch 0, no mini-batch (none for a manifest without them)."""
-    manifest = read_manifest(ctx.store, ctx.layout, ctx.step, "logprob") or {}
+    manifest = ctx.input_manifest("logprob") or {}
     recs = []
     for role, per_rank in ((manifest.get("extra") or {}).get("micro_batches") or {}).items():
         for rank, mbs in enumerate(per_rank):

@@ -164,10 +164,11 @@ def require_manifest(store, layout, step, stage) -> dict:
     return m
 
 
-def read_file(store: Store, layout: RunLayout, step: int, stage: str, name: str = None):
+def read_file(store: Store, layout: RunLayout, step: int, stage: str, name: str = None, manifest: dict = None):
     """Read one file a manifest lists, verifying its checksum. Tables come back as pyarrow
-    (validated against their schema), .json as objects, anything else as bytes."""
-    manifest = require_manifest(store, layout, step, stage)
+    (validated against their schema), .json as objects, anything else as bytes. `manifest`: the
+    stage's manifest when the caller has just read it (else it is read here)."""
+    manifest = manifest or require_manifest(store, layout, step, stage)
     name = name or STAGE_FILES[stage][-1 if stage == "update" else 0]
     entry = manifest["files"].get(name)
     if entry is None:
@@ -190,9 +191,9 @@ def read_file(store: Store, layout: RunLayout, step: int, stage: str, name: str 
     return data
 
 
-def read_table(store, layout, step, stage):
+def read_table(store, layout, step, stage, manifest: dict = None):
     """The verified main table of a stage (update: its microbatches table)."""
-    return read_file(store, layout, step, stage)
+    return read_file(store, layout, step, stage, manifest=manifest)
 
 
 # ---- status -------------------------------------------------------------------------------

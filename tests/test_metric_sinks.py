@@ -116,3 +116,33 @@ def test_a_steps_metrics_keep_the_update_committed_while_they_are_read(tmp_path,
     assert step_report.step_metrics(ctx, summary) == before  # the summary's numbers still
     monkeypatch.setattr(step_report, "read_file", read_file)
     assert step_report.step_metrics(ctx, summary) == {**before, "timing/upload_s": 0.5}  # committed: the store's
+
+
+def test_a_committed_stage_summary_gives_its_metrics_without_a_manifest_read(tmp_path):
+    """A stage task's summary of a committed manifest (flows.step.summarize) carries that
+    manifest's metrics: step_metrics takes them from it on the step's critical path; a stage
+    without one (or still committing) is read from the store."""
+    from types import SimpleNamespace
+
+    from flows import step_report
+    from flows.step import summarize
+    from storage.artifacts import write_table
+    from storage.layout import RunLayout
+    from storage.schemas import make_table
+    from storage.store import Store
+
+    store, layout = Store.from_config({"root": str(tmp_path)}), RunLayout("p", "e")
+    ctx = SimpleNamespace(store=store, layout=layout, step=1)
+    manifest = write_table(store, layout, 1, "logprob", make_table("logprob", {"rank": [0]}),
+                           fingerprint="f", extra={"metrics": {"critic/score/mean": 1.0}})
+    write_table(store, layout, 1, "reward", make_table("reward", {"score": [1.0], "acc": [1.0], "extras": ["{}"], "error": [None]}),
+                fingerprint="g", extra={"metrics": {"reward/score/mean": 1.0}})
+    summary = summarize(manifest, skipped=False, seconds=0.25)
+    assert summary["committed"] is True and summary["metrics"] == {"critic/score/mean": 1.0}
+    store.delete(layout.manifest(1, "logprob"))  # what step_metrics shows comes from the summary now
+    assert step_report.step_metrics(ctx, {"logprob": summary}) == {
+        "critic/score/mean": 1.0, "reward/score/mean": 1.0, "timing_s/logprob": 0.25}
+    committing = summarize({**manifest, "extra": {"metrics": {"critic/score/mean": 2.0}, "committing": "in the background"}},
+                           skipped=False)
+    assert committing["committed"] is False  # not yet stored: the store is read (nothing there), then the summary
+    assert step_report.step_metrics(ctx, {"logprob": committing}) == {"critic/score/mean": 2.0, "reward/score/mean": 1.0}

@@ -187,3 +187,33 @@ def test_scoring_rows_parse_each_extra_info_text_once_and_give_every_row_its_own
     with pytest.raises(reward_stage.RewardInputError, match="row 1: extra_info is not valid JSON"):
         reward_stage.scoring_rows(pa.table({"data_source": ["s"] * 2, "response": ["r"] * 2,
                                             "ground_truth": ["1"] * 2, "extra_info": [flat, "{bad"]}), "data_source")
+
+
+def test_a_stage_runs_context_reads_each_input_manifest_once(tmp_path):
+    """StageContext.memo (flows.step.execute_stage sets it for one stage run): an input's manifest
+    is read once and the stage's fingerprint computed once; an incomplete input is not remembered."""
+    import dataclasses
+
+    from storage.artifacts import write_table
+
+    ctx = make_ctx(tmp_path / "store")
+    ctx.memo = {}
+    assert ctx.input_manifest("rollout") is None
+    missing = ctx.fingerprint("reward", reward_stage.CONFIG_KEYS, reward_stage.INPUTS)
+    write_rollout(ctx, ["7", "8"], ["7", "7"], n=2)
+    first = ctx.input_manifest("rollout")
+    assert first["fingerprint"] == "rollout-1"
+    fp = ctx.fingerprint("reward", reward_stage.CONFIG_KEYS, reward_stage.INPUTS)
+    assert fp != missing
+    # the rollout committed again under another fingerprint (which never happens while a stage runs)
+    write_table(ctx.store, ctx.layout, 1, "rollout", ctx.read_input("rollout"), fingerprint="rollout-1-again")
+    assert ctx.input_manifest("rollout") is first
+    assert ctx.fingerprint("reward", reward_stage.CONFIG_KEYS, reward_stage.INPUTS) == fp
+    step2 = dataclasses.replace(ctx, step=2)  # the update's replay of earlier steps: a copy, the memo shared
+    write_rollout(step2, ["9", "9"], ["9", "9"], n=2)
+    assert step2.input_manifest("rollout")["fingerprint"] == "rollout-2"
+    assert step2.read_input("rollout").column("response").to_pylist() == ["9", "9"]
+    assert ctx.input_manifest("rollout") is first
+    ctx.memo = None  # outside a stage run: read every time
+    assert ctx.input_manifest("rollout")["fingerprint"] == "rollout-1-again"
+    assert ctx.fingerprint("reward", reward_stage.CONFIG_KEYS, reward_stage.INPUTS) != fp

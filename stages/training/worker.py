@@ -140,13 +140,11 @@ class UpdateJob:
     def rank_rows(self, ctx) -> list[dict]:
         """This rank's rows (balance_batch partition when trainer.balance_batch): the columns the
         roles read, as Python values (only those columns are converted)."""
-        from storage.artifacts import read_table
-
         cols = {"prompt_ids": "rollout", "response_ids": "rollout", "advantages": "advantage",
                 "returns": "advantage"}
         for role in self.roles:
             cols.update(role.columns())
-        tables = {name: read_table(ctx.store, ctx.layout, ctx.step, name) for name in ("rollout", "logprob", "advantage")}
+        tables = {name: ctx.read_input(name) for name in ("rollout", "logprob", "advantage")}
         if "response_mask" in tables["rollout"].column_names:  # multi-turn: tool-response tokens are not trained
             cols["response_mask"] = "rollout"
         n = tables["rollout"].num_rows
