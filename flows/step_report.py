@@ -85,8 +85,8 @@ def step_metrics(ctx, summaries: dict | None = None) -> dict:
     committed = set()  # stages whose manifest was read: one committing in the background may land meanwhile
     for stage in STAGES:
         summary = (summaries or {}).get(stage)
-        if summary and summary.get("committed") and stage != "update":  # its manifest's metrics, as
-            committed.add(stage)  # the stage task returned them (update: its metrics.json is read)
+        if summary and summary.get("committed"):  # its manifest's metrics, as its task returned them
+            committed.add(stage)
             metrics.update(_scalars(summary.get("metrics") or {}))
             continue
         manifest = read_manifest(ctx.store, ctx.layout, ctx.step, stage) or {}

@@ -31,7 +31,7 @@ import torch
 from configs.plan import uses_critic
 from stages.batches.batching import unpad_arrow
 from storage.artifacts import fingerprint as hash_obj
-from storage.artifacts import read_manifest, require_manifest, write_table
+from storage.artifacts import read_manifest, write_table
 from storage.schemas import make_table
 
 STAGE = "advantage"
@@ -211,18 +211,14 @@ def check_same_rollout(ctx, rollout_rows: int, logprob_rows: int, reward_rows: i
             raise AdvantageInputError(
                 f"step {ctx.step}: {name}.parquet has {rows} rows but rollout.parquet has "
                 f"{rollout_rows}; the {name} stage must write one row per rollout row, in order")
-    rollout_fp = _input_manifest(ctx, "rollout")["fingerprint"]
+    rollout_fp = ctx.input_manifest("rollout", required=True)["fingerprint"]
     for name in ("logprob", "reward"):
-        recorded = (_input_manifest(ctx, name).get("inputs") or {}).get("rollout")
+        recorded = (ctx.input_manifest(name, required=True).get("inputs") or {}).get("rollout")
         if recorded is not None and recorded != rollout_fp:
             raise AdvantageInputError(
                 f"step {ctx.step}: {name}.parquet was computed from another rollout (its manifest "
                 f"lists rollout fingerprint {recorded[:12]}, the step's rollout is "
                 f"{rollout_fp[:12]}); rerun the {name} stage")
-
-
-def _input_manifest(ctx, name: str) -> dict:
-    return ctx.input_manifest(name) or require_manifest(ctx.store, ctx.layout, ctx.step, name)
 
 
 def check_widths(lengths, width: int, what: str, key: str) -> None:

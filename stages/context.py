@@ -17,7 +17,7 @@ from pathlib import Path
 
 from configs.loader import get_path
 from storage.artifacts import fingerprint as hash_obj
-from storage.artifacts import read_manifest, read_table
+from storage.artifacts import read_manifest, read_table, require_manifest
 from storage.layout import RunLayout
 from storage.store import Store
 
@@ -40,21 +40,22 @@ class StageContext:
     memo: dict | None = None  # one stage run's (flows.step.execute_stage): its inputs' manifests and
     #                           its fingerprints, read and computed once; None: read every time
 
-    def input_manifest(self, name: str) -> dict | None:
-        """The manifest of this step's stage `name` (an input), or None while it is incomplete.
-        With `memo`, read once: a stage runs only once its inputs are complete, and they stay so
-        while it runs."""
+    def input_manifest(self, name: str, required: bool = False) -> dict | None:
+        """The manifest of this step's stage `name` (an input), or None while it is incomplete
+        (required: storage.artifacts.IncompleteError instead). With `memo`, read once: a stage
+        runs only once its inputs are complete, and they stay so while it runs."""
         key = ("manifest", self.step, name)  # a copy for another step (dataclasses.replace) shares the memo
         if self.memo is not None and key in self.memo:
             return self.memo[key]
-        manifest = read_manifest(self.store, self.layout, self.step, name)
+        read = require_manifest if required else read_manifest
+        manifest = read(self.store, self.layout, self.step, name)
         if self.memo is not None and manifest is not None:
             self.memo[key] = manifest
         return manifest
 
     def read_input(self, name: str):
         """The verified main table of this step's stage `name` (storage.artifacts.read_table)."""
-        return read_table(self.store, self.layout, self.step, name, manifest=self.input_manifest(name))
+        return read_table(self.store, self.layout, self.step, name, manifest=self.input_manifest(name, required=True))
 
     @classmethod
     def create(cls, cfg: dict, plan: dict, step: int, store: Store | None = None) -> "StageContext":
