@@ -325,17 +325,10 @@ def engine_mismatch(ctx, results: list) -> dict:
 
 def forward_log_probs_table(results: list, n_rows: int):
     """update/log_probs.parquet: the old log-probs and entropy the ranks' forward gave (when it
-    replaced the logprob stage's actor pass), in rollout row order."""
-    columns = {"old_log_probs": [None] * n_rows, "entropy": [None] * n_rows}
-    for r in results:
-        part = r["log_probs"]
-        for pos, row in enumerate(part["rows"]):
-            columns["old_log_probs"][row] = part["old_log_probs"][pos]
-            columns["entropy"][row] = part["entropy"][pos]
-    missing = [i for i, v in enumerate(columns["old_log_probs"]) if v is None]
-    if missing:
-        raise RuntimeError(f"update: rows {missing[:5]} got no forward log-probs from any rank")
-    return make_table("update_log_probs", columns)
+    replaced the logprob stage's actor pass), in rollout row order (stages.training.forward_values)."""
+    from stages.training import forward_values
+
+    return forward_values.table(results, n_rows)
 
 
 def logprob_micro_batches(ctx) -> list:

@@ -278,6 +278,26 @@ def test_update_forward_replaces_the_old_log_prob_pass(tmp_path, model_dir):
     assert n == fused_ctx.plan["rows_per_step"]
 
 
+def test_forward_values_travel_as_float32_bytes_and_come_back_in_row_order():
+    """A rank's forward values (stages.training.forward_values) go through its JSON result as
+    float32 bytes: the table puts them back in rollout row order, every value as the float32 it
+    was, and refuses a row no rank sent."""
+    import numpy as np
+
+    from stages.training.forward_values import pack, table
+
+    values = {row: np.float32([0.1 * row + k / 7 for k in range(row % 3 + 1)]) for row in range(5)}
+    ranks = [[3, 0, 4], [1, 2]]  # balanced partitions need not be in order
+    results = [{"log_probs": json.loads(json.dumps(pack(rows, [values[r] for r in rows], [-values[r] for r in rows])))}
+               for rows in ranks]
+    got = table(results, 5).to_pydict()
+    assert got["old_log_probs"] == [values[r].tolist() for r in range(5)]
+    assert got["entropy"] == [(-values[r]).tolist() for r in range(5)]
+    assert [len(v) for v in got["old_log_probs"]] == [1, 2, 3, 1, 2]
+    with pytest.raises(RuntimeError, match=r"rows \[4\] got no forward log-probs"):
+        table([{"log_probs": pack([3, 0], [values[3], values[0]], [values[3], values[0]])}, results[1]], 5)
+
+
 def test_gradient_checkpointing_is_on_and_changes_no_result(tmp_path, model_dir):
     """model.enable_gradient_checkpointing (actor and critic): the trained modules recompute their
     layers in backward (transformers' non-reentrant checkpointing), and weights and metrics equal

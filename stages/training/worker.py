@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,6 +43,7 @@ from stages.batches import batching, binning
 from stages.progress import progress
 from stages.ranks.files import ship_work_dir
 from stages.training import engine as update_engine
+from stages.training.forward_values import pack as pack_forward_values
 from stages.training.roles import ACTOR, ActorRole, planned_roles
 from stages.training.state import TRAIN_CONFIG_KEYS, newest_state, state_due, state_folder
 
@@ -192,8 +194,8 @@ class UpdateJob:
         out = {"metrics": metrics, "records": records}
         if self.forward_values is not None:
             index = sorted(self.forward_values)
-            out["log_probs"] = {"rows": index, "old_log_probs": [self.forward_values[i][0] for i in index],
-                                "entropy": [self.forward_values[i][1] for i in index]}
+            out["log_probs"] = pack_forward_values(index, [self.forward_values[i][0] for i in index],
+                                                   [self.forward_values[i][1] for i in index])
             self.forward_values = None
         return out
 
@@ -273,11 +275,13 @@ class UpdateJob:
         """The actor's forward replaces the old-log-prob pass: keep its values per row."""
         if self.forward_values is None:
             return
+        old, entropy = (np.array(t.detach().float().cpu()) for t in (old, entropy))  # copies, float32
         for j, row in enumerate(part):
             n = len(row["response_ids"])
-            values = (old[j, :n].tolist(), entropy[j, :n].detach().tolist())
+            values = (old[j, :n], entropy[j, :n])
             if "response_mask" in row:  # as the logprob stage stores them: 0 on tool-response tokens
-                values = tuple([v if m else 0.0 for v, m in zip(vs, row["response_mask"])] for vs in values)
+                keep = np.asarray(row["response_mask"][:n], dtype=bool)
+                values = tuple(np.where(keep, v[:len(keep)], np.float32(0.0)) for v in values)
             self.forward_values[row["index"]] = values
 
     def _role_metrics(self, role, sums, grad_norms, skipped, steps) -> dict:
