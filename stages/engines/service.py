@@ -351,7 +351,9 @@ class RolloutEngines:
                 worker.loaded, worker.version = None, None
 
     def close(self) -> None:
-        for worker in self.workers.values():
+        for worker in self.workers.values():  # all tear down at once ...
+            worker.request_stop()
+        for worker in self.workers.values():  # ... and each is waited for
             worker.close()
         self.workers.clear()
         if self.local is not None:
