@@ -69,10 +69,13 @@ def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models,
         if forked:  # the workers are the fork server's children, not this process's
             assert all(os.getppid() != pid for pid in pids) and resident.workers[0].proc.zygote is spawner
     finally:
+        procs = [w.proc for w in resident.workers.values()]
         resident.close()
         if spawner is not None:
             spawner.close()
     assert resident.pids() == []
+    if not forked:  # each worker stopped itself when asked (exit 0: none had to be killed)
+        assert [p.returncode for p in procs] == [0] * replicas
     if engine == "hf":  # vLLM: the restarted worker above was such a fresh start (and the rollout
         # stage's one-off path is tests/test_engines_vllm.py's); a vLLM start costs ~20 s here
         fresh, _ = _generate(RolloutEngines(resident=False), engine, b, replicas)  # this call only
@@ -401,3 +404,19 @@ def test_row_sampling_draws_from_the_warped_distribution():
     mixed = sample_rows(other, Sampling(temperature=1.0), torch.cat([torch.arange(7), seeds[:5]]),
                         torch.cat([torch.arange(7), counters[:5]]))
     assert mixed[7:].tolist() == plain[:5].tolist()
+
+
+def test_a_worker_lists_its_child_processes():
+    """stages.engines.worker._child_pids: a worker exits at once on "stop" only when its engine
+    started no processes of its own (vLLM's tensor-parallel workers are shut down in order)."""
+    import subprocess
+
+    from stages.engines.worker import _child_pids
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert child.pid in _child_pids()
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in _child_pids()
