@@ -78,3 +78,18 @@ def test_a_planted_build_lock_does_not_hang_the_update_set_up():
     finally:
         lock.unlink(missing_ok=True)
     assert run.returncode == 0 and "ready" in run.stdout, run.stderr[-2000:]
+
+
+def test_a_planted_build_lock_does_not_hang_make_installs_prebuild():
+    """`python -m stages.ranks.deepspeed_ops` (make install) after an interrupted build: the lock
+    that build left is removed, naming it, and the op is ready. Before, it waited forever."""
+    lock = DEFAULT_DIR / "deepspeed_shm_comm" / "lock"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(DEFAULT_DIR)}
+    lock.touch()
+    try:
+        run = subprocess.run([sys.executable, "-m", "stages.ranks.deepspeed_ops"], env=env, capture_output=True,
+                             text=True, timeout=180, cwd=DEFAULT_DIR.parent.parent)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"removed the stale DeepSpeed op build lock {lock}" in run.stderr and "DeepSpeed CPU comm op ready" in run.stderr

@@ -81,8 +81,11 @@ def clear_stale_build_locks(grace_s: float = 5.0) -> list:
 
 
 def prebuild() -> str:
+    """`make install`'s build (or load) of the op; a lock an interrupted build left is cleared
+    first, as at run time (it made this wait forever: a killed `make install`, then another)."""
     extensions_dir()
     same_ninja()
+    clear_stale_build_locks()
     from deepspeed.accelerator import get_accelerator
 
     module = get_accelerator().create_op_builder("ShareMemCommBuilder").load()
