@@ -33,6 +33,7 @@ from pathlib import Path
 from stages.batches.batching import format_load_line
 from stages.ranks.files import fetch_shipped
 from stages.scratch import scratch_dir
+from stages.training import forward_values
 from stages.training.state import TOTAL_KEY, TRAIN_CONFIG_KEYS, prune_states, schedule_keys, state_key
 from storage.artifacts import read_manifest, write_stage
 from storage.faults import maybe_fault
@@ -201,13 +202,15 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
         metrics = build_metrics(results, launch_s=launch_s, upload_s=t3 - t2, handoff=handoff)
         if persist_s is not None:
             metrics["timing/persist_s"] = persist_s
-        metrics.update(engine_mismatch(ctx, results))
+        forward = (forward_values.table(results, ctx.plan["rows_per_step"])  # built once: the file and the mismatch
+                   if results[0].get("log_probs") is not None else None)
+        metrics.update(engine_mismatch(ctx, results, forward))
         for line in metrics["update/load_lines"]:
             print(line, flush=True)
         table = microbatch_table(results, logprob_micro_batches(ctx))
         files = {"update/metrics.json": metrics, "update/microbatches.parquet": table}
-        if results[0].get("log_probs") is not None:
-            files["update/log_probs.parquet"] = forward_log_probs_table(results, ctx.plan["rows_per_step"])
+        if forward is not None:
+            files["update/log_probs.parquet"] = forward
         metrics["timing/update_s"] = time.perf_counter() - t0
         manifest = write_stage(ctx.store, ctx.layout, ctx.step, STAGE, files,
                                fingerprint=stage_fingerprint(ctx), row_count=rows_trained(results),
@@ -300,18 +303,20 @@ def build_metrics(results: list, launch_s: float, upload_s: float, handoff=None)
     return metrics
 
 
-def engine_mismatch(ctx, results: list) -> dict:
+def engine_mismatch(ctx, results: list, forward=None) -> dict:
     """verl's rollout_corr/* diagnostics (stages.algos.rollout_correction.offpolicy_metrics) between the
     rollout engine's log-probs (rollout.calculate_log_probs) and the trainer's old log-probs: those
     of the logprob stage's actor pass, or of the update's own first forward when that replaced it.
-    Empty when the rollout stored no log-probs."""
+    Empty when the rollout stored no log-probs. `forward`: update/log_probs.parquet's table when
+    the caller built it already (stages.training.forward_values)."""
     from stages.algos.rollout_correction import offpolicy_metrics, pad_rows
 
     rollout = ctx.read_input("rollout")
     if "rollout_log_probs" not in rollout.schema.names or rollout.column("rollout_log_probs").null_count:
         return {}
     if results[0].get("log_probs") is not None:
-        old = forward_log_probs_table(results, rollout.num_rows).column("old_log_probs").to_pylist()
+        forward = forward if forward is not None else forward_values.table(results, rollout.num_rows)
+        old = forward.column("old_log_probs").to_pylist()
     else:
         old = ctx.read_input("logprob").column("old_log_probs").to_pylist()
     engine = rollout.column("rollout_log_probs").to_pylist()
@@ -321,14 +326,6 @@ def engine_mismatch(ctx, results: list) -> dict:
     if "response_mask" in rollout.schema.names:  # multi-turn: only the tokens the engine sampled
         mask = mask * pad_rows(rollout.column("response_mask").to_pylist(), mask.shape[1])[0]
     return offpolicy_metrics(old_t, pad_rows(engine)[0], mask)
-
-
-def forward_log_probs_table(results: list, n_rows: int):
-    """update/log_probs.parquet: the old log-probs and entropy the ranks' forward gave (when it
-    replaced the logprob stage's actor pass), in rollout row order (stages.training.forward_values)."""
-    from stages.training import forward_values
-
-    return forward_values.table(results, n_rows)
 
 
 def logprob_micro_batches(ctx) -> list:
