@@ -599,7 +599,8 @@ def start_fork_server(cfg: dict, plan: dict):
 
     if not zygote.wanted(cfg, plan):
         return None
-    return zygote.Zygote.adopt() or zygote.Zygote.start(preload=zygote.preload(cfg, plan["n_gpus"]))
+    modules = zygote.preload(cfg, plan["n_gpus"])
+    return zygote.Zygote.adopt(modules) or zygote.Zygote.start(preload=modules)
 
 
 def start_rank_pool(cfg: dict, plan: dict, spawner=None):

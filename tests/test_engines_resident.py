@@ -11,7 +11,7 @@ import pytest
 from stages.engines import EngineOptions, EngineSpec, Sampling, derive_seed
 from stages.engines.service import RolloutEngines
 from stages.model.tiny import save_tiny_model
-from stages.ranks.zygote import Zygote
+from stages.ranks.zygote import PRELOAD, VLLM_PRELOAD, Zygote
 
 ROLLOUT = {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 32, "max_num_batched_tokens": 256,
            "hf_generate_batch_size": 2}
@@ -42,13 +42,14 @@ def _generate(engines, engine, model_dir, replicas=1, rollout=None):
     return [(g.response_ids, g.log_probs) for g in gens], options.timings
 
 
-@pytest.mark.parametrize("engine, replicas, forked", [("hf", 2, False), ("hf", 2, True), ("vllm", 1, False)])
+@pytest.mark.parametrize("engine, replicas, forked", [("hf", 2, False), ("hf", 2, True), ("vllm", 1, True)])
 def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models, engine, replicas, forked):
-    """Worker processes (vLLM; hf with several replicas, also forked from a run's fork server,
-    stages.ranks.zygote): started once, new weights loaded into them, a killed one restarted (started
-    afresh on the new weights); every time the rows equal a freshly started engine's."""
+    """Worker processes (vLLM; hf with several replicas), also forked from a run's fork server
+    (stages.ranks.zygote; for vLLM one that imported vLLM, as a tiny-cpu run's does): started once,
+    new weights loaded into them, a killed one restarted (started afresh on the new weights); every
+    time the rows equal a freshly started engine's (a worker process of its own, not forked)."""
     a, b = models
-    spawner = Zygote.start() if forked else None
+    spawner = Zygote.start(preload=PRELOAD + (VLLM_PRELOAD if engine == "vllm" else ())) if forked else None
     resident = RolloutEngines(resident=True, spawner=spawner)
     try:
         rows_a, first = _generate(resident, engine, a, replicas)
@@ -76,10 +77,8 @@ def test_resident_workers_load_new_weights_in_place_and_equal_fresh_ones(models,
     assert resident.pids() == []
     if not forked:  # each worker stopped itself when asked (exit 0: none had to be killed)
         assert [p.returncode for p in procs] == [0] * replicas
-    if engine == "hf":  # vLLM: the restarted worker above was such a fresh start (and the rollout
-        # stage's one-off path is tests/test_engines_vllm.py's); a vLLM start costs ~20 s here
-        fresh, _ = _generate(RolloutEngines(resident=False), engine, b, replicas)  # this call only
-        assert fresh == rows_b
+    fresh, _ = _generate(RolloutEngines(resident=False), engine, b, replicas)  # this call only, not forked
+    assert fresh == rows_b
     assert rows_a != rows_b  # the weights matter: the reload really changed the model
     assert all(len(lp) == len(ids) for ids, lp in rows_b)
 

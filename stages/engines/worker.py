@@ -55,9 +55,9 @@ class EngineWorker:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env = engine_class(spec.engine).process_env(spec, env)
-        forked = spawner is not None and spawner.alive() and spec.engine == "hf" and spec.device == "cpu"
+        forked = spawner is not None and spawner.forks_engine(spec)
         with self.log_path.open("ab") as log:
-            if forked:  # from the run's fork server (stages.ranks.zygote): torch and transformers are imported
+            if forked:  # from the run's fork server (stages.ranks.zygote): torch, transformers (vLLM) imported
                 self.proc = spawner.popen("stages.engines.worker:main", ["{fd0}"], env, stdout=log, stderr=log,
                                           pass_fds=(theirs.fileno(),))
             else:

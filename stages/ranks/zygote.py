@@ -41,6 +41,8 @@ PRELOAD = ("torch", "torch._dynamo", "transformers", "transformers.models.auto.m
            "stages.engines.hf", "stages.engines.worker", "stages.ranks.server")
 ENGINE_PRELOAD = ("torch", "torch._dynamo", "transformers", "transformers.models.auto.modeling_auto",
                   "transformers.generation.utils", "stages.engines.hf", "stages.engines.worker")  # no ranks to fork
+# vLLM's import (~9.5 s of CPU on the demo machine) once in the server, not once in each vLLM worker
+VLLM_PRELOAD = ("vllm", "vllm.entrypoints.llm", "stages.engines.vllm_engine")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 16
@@ -64,8 +66,11 @@ def forks_ranks(cfg: dict, world: int) -> bool:
 
 
 def preload(cfg: dict, world: int) -> tuple:
-    """What the fork server imports: the ranks' modules when it forks ranks, else the engine's."""
-    return PRELOAD if forks_ranks(cfg, world) else ENGINE_PRELOAD
+    """What the fork server imports: the ranks' modules when it forks ranks, else the engine's;
+    vLLM's too where the rollout engine is vLLM (its CPU workers are then forked as well:
+    stages.engines.worker)."""
+    modules = PRELOAD if forks_ranks(cfg, world) else ENGINE_PRELOAD
+    return modules + VLLM_PRELOAD if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm" else modules
 
 
 def hf_own_process(cfg: dict) -> bool:
@@ -99,10 +104,11 @@ def prestart(cfg: dict) -> "Zygote | None":
 class Zygote:
     """The owner's handle on the fork server."""
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket):
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, preload: tuple = ()):
         import threading
 
         self.proc, self.sock = proc, sock
+        self.preload = tuple(preload)  # what its children find imported
         self._pending: list = []  # ForkedProcess handles whose reply (pid) has not been read, in order
         self._lock = threading.Lock()
 
@@ -113,11 +119,13 @@ class Zygote:
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if "vllm" in preload:  # vLLM configures its logger when imported: as its workers' (vllm_engine.replica_env)
+            env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         proc = subprocess.Popen([sys.executable, "-m", "stages.ranks.zygote_server", str(theirs.fileno()), ",".join(preload)],
                                 pass_fds=(theirs.fileno(),), env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # children get their own
         theirs.close()
-        return cls(proc, ours)
+        return cls(proc, ours, preload)
 
     def hand_over(self) -> None:
         """Offer this server to a run that starts later in this process (`stagerl train` starts
@@ -128,9 +136,10 @@ class Zygote:
         os.environ[HANDOVER_ENV] = f"{fd}:{self.proc.pid}:{os.getpid()}"
 
     @classmethod
-    def adopt(cls) -> "Zygote | None":
+    def adopt(cls, preload: tuple = ()) -> "Zygote | None":
         """The server this process was offered (hand_over), taken once; None if there is none,
-        it was offered to another process (the variable is inherited, the fd is not) or it died."""
+        it was offered to another process (the variable is inherited, the fd is not) or it died.
+        `preload`: what it was started with (both sides derive it from the config: `preload`)."""
         value = os.environ.pop(HANDOVER_ENV, "")
         try:
             fd, pid, owner = (int(x) for x in value.split(":"))
@@ -139,7 +148,7 @@ class Zygote:
         if owner != os.getpid():
             return None
         sock = socket.socket(fileno=fd)
-        server = cls(_Started(pid), sock)
+        server = cls(_Started(pid), sock, preload)
         if not server.alive():
             server.close()
             return None
@@ -147,6 +156,15 @@ class Zygote:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def forks_engine(self, spec) -> bool:
+        """Whether a rollout worker for `spec` (stages.engines.EngineSpec) is forked from here: an
+        hf engine on the CPU, or vLLM's CPU engine without tensor parallelism (its own worker
+        processes keep vLLM's start) when this server imported vLLM."""
+        if spec.device != "cpu" or not self.alive():
+            return False
+        return spec.engine == "hf" or (spec.engine == "vllm" and "vllm" in self.preload
+                                       and int(spec.setting("tensor_model_parallel_size") or 1) == 1)
 
     def popen(self, target: str, args: list, env: dict, stdout=None, stderr=None, pass_fds=(), cwd=None,
               new_session: bool = False, group: dict | None = None) -> "ForkedProcess":
