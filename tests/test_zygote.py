@@ -146,3 +146,21 @@ def test_a_rank_of_a_forked_pool_killed_during_a_job_is_named(zygote, tmp_path):
         assert time.monotonic() - t0 < 30
         assert (f"rank 1 (pid {pids[1]}, host {socket.gethostname()}) died (killed by SIGKILL)"
                 in str(err.value)), str(err.value)[:2000]
+
+
+def test_a_fork_server_for_a_pinned_engine_alone_runs_on_the_engines_cores():
+    """With rollout.cpu_affinity and no ranks to fork, the server's imports run on the engine's
+    cores (its workers pin themselves there anyway), not on the training's; a server that forks
+    ranks stays on this process's cores."""
+    from configs.loader import load_config
+    from stages.ranks.zygote import engine_cpus
+
+    pinned = ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.cpu_affinity=[0]"]
+    assert engine_cpus(load_config("tiny-cpu", pinned + ["trainer.n_gpus_per_node=1"]), 1) == (0,)
+    assert engine_cpus(load_config("tiny-cpu", pinned), 2) == ()  # it forks the two ranks
+    assert engine_cpus(load_config("tiny-cpu", ["trainer.n_gpus_per_node=1"]), 1) == ()  # not pinned
+    server = Zygote.start(preload=("json",), cpus=(0,))
+    try:
+        assert os.sched_getaffinity(server.proc.pid) == {0}
+    finally:
+        server.close()

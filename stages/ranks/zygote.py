@@ -73,6 +73,16 @@ def preload(cfg: dict, world: int) -> tuple:
     return modules + VLLM_PRELOAD if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm" else modules
 
 
+def engine_cpus(cfg: dict, world: int) -> tuple:
+    """The cores the server itself runs on: a pinned rollout engine's
+    (`actor_rollout_ref.rollout.cpu_affinity`) when it forks no ranks, only that engine's workers
+    (which pin themselves there anyway), so that its imports run beside the run's start-up on the
+    engine's cores, not on the training's (the first rollout waited ~1.5 s for them); () else."""
+    if forks_ranks(cfg, world):
+        return ()
+    return tuple(int(c) for c in (cfg["actor_rollout_ref"]["rollout"].get("cpu_affinity") or ()))
+
+
 def hf_own_process(cfg: dict) -> bool:
     """One hf engine in a worker process of its own (stages.engines.in_own_process)."""
     from stages.engines import in_own_process
@@ -96,7 +106,7 @@ def prestart(cfg: dict) -> "Zygote | None":
     world = int(trainer["n_gpus_per_node"]) * int(trainer["nnodes"])
     if not _local_cpu(cfg) or not (forks_ranks(cfg, world) or hf_worker):
         return None
-    server = Zygote.start(preload=preload(cfg, world))
+    server = Zygote.start(preload=preload(cfg, world), cpus=engine_cpus(cfg, world))
     server.hand_over()
     return server
 
@@ -113,8 +123,9 @@ class Zygote:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, preload=PRELOAD, env: dict | None = None) -> "Zygote":
-        """Start the server; it imports `preload` in the background (the first popen waits)."""
+    def start(cls, preload=PRELOAD, env: dict | None = None, cpus: tuple = ()) -> "Zygote":
+        """Start the server; it imports `preload` in the background (the first popen waits).
+        `cpus`: the cores it runs on (its children inherit them), else this process's."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
@@ -125,6 +136,11 @@ class Zygote:
                                 pass_fds=(theirs.fileno(),), env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # children get their own
         theirs.close()
+        if cpus:
+            try:
+                os.sched_setaffinity(proc.pid, cpus)
+            except OSError:  # a core this machine lacks: the plan names it; the server runs anywhere
+                pass
         return cls(proc, ours, preload)
 
     def hand_over(self) -> None:
