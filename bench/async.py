@@ -31,8 +31,9 @@ processes or the server (cpu_s.others: other users of the machine).
 The pinning is checked, not assumed: while a run runs, every 0.25 s the bench reads
 /proc/<pid>/task/<tid>/status (Cpus_allowed_list) of every thread of every process under it and
 records, per process, the lists seen and its CPU seconds; pinning.ok: exactly one process (the
-engine worker) has threads on the engine cores, all of its threads (as last seen) are there, and
-every thread of every other process is on the train cores.
+engine worker) has threads on the engine cores besides the fork server it was forked from (which
+runs there when it forks only the engine's workers: stages.ranks.zygote.engine_cpus), all of their
+threads (as last seen) are there, and every thread of every other process is on the train cores.
 
 Per run, from the flow's own step log (bench/peer_trl.py's timeline):
   wall_s       begin of step 1 -> end of step N (step k ends when the flow logs it; step 1 begins
@@ -139,7 +140,7 @@ class PinningMonitor:
             for proc in procs:
                 try:
                     entry = self.seen.setdefault(proc.pid, {"cmd": " ".join(proc.cmdline())[-120:],
-                                                            "cpus_seen": set(), "threads": {}})
+                                                            "ppid": proc.ppid(), "cpus_seen": set(), "threads": {}})
                     threads = read_threads(proc.pid)
                     entry["cpus_seen"].update(c for _, c in threads.values())
                     entry["threads"].update(threads)  # tid -> (name, the latest list seen)
@@ -161,14 +162,17 @@ class PinningMonitor:
             names: dict = {}
             for name, cpus in e["threads"].values():
                 names.setdefault(cpus, set()).add(name)
-            procs.append({"pid": pid, "cmd": e["cmd"], "cpu_s": e.get("cpu_s"), "threads": len(e["threads"]),
+            procs.append({"pid": pid, "ppid": e["ppid"], "cmd": e["cmd"], "cpu_s": e.get("cpu_s"), "threads": len(e["threads"]),
                           "cpus_allowed_last": last, "cpus_allowed_seen": sorted(e["cpus_seen"]),
                           "thread_names_by_cpus": {c: sorted(n) for c, n in names.items()}})
         engine = [p for p in procs if engine_set in p["cpus_allowed_last"]]
-        ok = (len(engine) == 1 and engine[0]["cpus_allowed_last"] == [engine_set]
+        parents = {p["ppid"] for p in engine}  # the fork server the worker was forked from, if there
+        workers = [p for p in engine if p["pid"] not in parents]
+        ok = (len(workers) == 1 and all(p["cpus_allowed_last"] == [engine_set] for p in engine)
               and all(p["cpus_allowed_last"] in ([train_set], []) for p in procs if p not in engine))
-        return {"ok": ok, "engine_cpus": engine_set, "train_cpus": train_set,
-                "engine_worker": engine, "processes": [p for p in procs if p not in engine]}
+        return {"ok": ok, "engine_cpus": engine_set, "train_cpus": train_set, "engine_worker": workers,
+                "fork_server_on_engine_cpus": [p for p in engine if p not in workers],
+                "processes": [p for p in procs if p not in engine]}
 
 
 def cpu_list(cpus: list[int]) -> str:
