@@ -599,9 +599,7 @@ def start_fork_server(cfg: dict, plan: dict):
 
     if not zygote.wanted(cfg, plan):
         return None
-    modules = zygote.preload(cfg, plan["n_gpus"])
-    return zygote.Zygote.adopt(modules) or zygote.Zygote.start(preload=modules,
-                                                               cpus=zygote.engine_cpus(cfg, plan["n_gpus"]))
+    return zygote.Zygote.adopt(zygote.preload(cfg, plan["n_gpus"])) or zygote.start_for(cfg, plan["n_gpus"])
 
 
 def start_rank_pool(cfg: dict, plan: dict, spawner=None):

@@ -94,14 +94,21 @@ def engine_kwargs(spec: EngineSpec) -> tuple[dict, list[str]]:
     return kwargs, notes
 
 
+def import_env(env: dict) -> dict:
+    """What vLLM reads when it is imported (its logger's level), for a process that imports it:
+    a replica's worker, or the fork server its workers are forked from (stages.ranks.zygote)."""
+    env = dict(env)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
 def replica_env(spec: EngineSpec, env: dict) -> dict:
     """The worker process environment of a replica: devices (GPU) or cores (CPU)."""
-    env = dict(env)
+    env = import_env(env)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # our own engine processes: the CPU weight reload (a function, LLM.apply_model) may be pickled
     # to vLLM's executor workers when a replica spans several of them (tensor parallel)
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     tp = int(spec.setting("tensor_model_parallel_size") or 1)
     if spec.device == "cuda":
         visible = env.get("CUDA_VISIBLE_DEVICES")

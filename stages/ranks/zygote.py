@@ -106,9 +106,14 @@ def prestart(cfg: dict) -> "Zygote | None":
     world = int(trainer["n_gpus_per_node"]) * int(trainer["nnodes"])
     if not _local_cpu(cfg) or not (forks_ranks(cfg, world) or hf_worker):
         return None
-    server = Zygote.start(preload=preload(cfg, world), cpus=engine_cpus(cfg, world))
+    server = start_for(cfg, world)
     server.hand_over()
     return server
+
+
+def start_for(cfg: dict, world: int) -> "Zygote":
+    """A server for this run: what it imports (`preload`) and the cores it runs on (`engine_cpus`)."""
+    return Zygote.start(preload=preload(cfg, world), cpus=engine_cpus(cfg, world))
 
 
 class Zygote:
@@ -130,8 +135,10 @@ class Zygote:
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if "vllm" in preload:  # vLLM configures its logger when imported: as its workers' (vllm_engine.replica_env)
-            env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if "vllm" in preload:  # vLLM reads some of its settings when imported: its workers' values
+            from stages.engines.vllm_engine import import_env
+
+            env = import_env(env)
         proc = subprocess.Popen([sys.executable, "-m", "stages.ranks.zygote_server", str(theirs.fileno()), ",".join(preload)],
                                 pass_fds=(theirs.fileno(),), env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # children get their own
