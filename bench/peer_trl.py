@@ -1,7 +1,7 @@
 """Peer bench: stagerl's real `rl-train` flow against TRL's GRPOTrainer on the same GRPO work,
 interleaved, several fresh-process runs each. Writes bench/results/peer_trl.json.
 
-    python bench/peer_trl.py [--runs 3] [--steps 10] [--micro-batches 120 360 720]
+    python bench/peer_trl.py [--runs 3] [--full-rounds 2] [--steps 10] [--micro-batches 120 360 720]
                              [--variants trl trl-2rank stagerl-hf-1rank stagerl-hf-2rank ...] [--with-vllm]
 
 `make bench-peer` builds TRL's own virtual environment (.venv-peer: torch + trl; TRL is never a
@@ -46,6 +46,10 @@ Per run, from one instant t0 (the parent's time.time() just before it starts the
                generate-and-score, and the rest of the step = forward/backward/optimizer)
   time_split_s stagerl: flows.step_report.time_split of each step (generate, update_train, and
                everything outside them by part), mean over steps 2..N
+Rounds: every setting runs once per round, interleaved, in the first --full-rounds rounds (2);
+the rounds after them, up to --runs (3), run each variant's fastest setting so far only (the one
+best vs best compares), so best vs best is of medians of 3 runs and every other matched ratio of
+medians of 2 (the full sweep in every round took 16 minutes, 37 runs of ~25 s).
 Medians over runs per variant; ratio_vs_trl = variant median / the median of TRL at the same ranks
 and micro-batch (< 1: faster); best_vs_best = each side at its fastest micro-batch per rank count
 (its lowest median warm s/step) against the other's, which is what a user comparing the two runs."""
@@ -309,15 +313,30 @@ def ratios(row: dict, trl: dict) -> dict:
             for k in ("startup_s", "warm_step_s", "wall_s", "startup_and_wall_s", "process_s")}
 
 
-def best_vs_best(median: dict) -> dict:
-    """Each side at its fastest micro-batch (lowest median warm s/step), per rank count: stagerl's
-    best against TRL's best at the same ranks (and against TRL's best at any ranks)."""
+def fastest(median: dict) -> dict:
+    """{variant without @mb: its setting with the lowest median warm s/step}."""
     groups: dict = {}
     for name, row in median.items():
         if row.get("warm_step_s"):
-            spec = parse_variant(name)
-            groups.setdefault(spec["base"], []).append((row["warm_step_s"], name))
-    best = {base: min(entries)[1] for base, entries in groups.items()}
+            groups.setdefault(parse_variant(name)["base"], []).append((row["warm_step_s"], name))
+    return {base: min(entries)[1] for base, entries in groups.items()}
+
+
+def round_variants(run: int, variants: list[str], results: list[dict], args) -> list[str]:
+    """What round `run` runs: every setting in the first --full-rounds rounds; after them only
+    each variant's fastest setting so far (what best vs best compares), so the headline medians
+    are of --runs runs and every matched ratio of --full-rounds; a -s<N> variant in the first
+    --staleness-runs rounds only."""
+    if run >= args.full_rounds:
+        best = set(fastest(aggregate(results, variants)).values())
+        variants = [v for v in variants if v in best]
+    return [v for v in variants if not (parse_variant(v).get("staleness", 0) and run >= args.staleness_runs)]
+
+
+def best_vs_best(median: dict) -> dict:
+    """Each side at its fastest micro-batch (lowest median warm s/step), per rank count: stagerl's
+    best against TRL's best at the same ranks (and against TRL's best at any ranks)."""
+    best = fastest(median)
     trl_any = min((median[n]["warm_step_s"], n) for b, n in best.items() if b.startswith("trl")) if any(
         b.startswith("trl") for b in best) else None
     out = {}
@@ -342,6 +361,9 @@ def main() -> int:
     parser.add_argument("--staleness-runs", type=int, default=1,
                         help="rounds a -s<N> variant runs in (the first ones): it is reported beside TRL, "
                              "not in a matched ratio or best vs best, and one run keeps the sweep under 15 min")
+    parser.add_argument("--full-rounds", type=int, default=2,
+                        help="rounds that run every setting; the later ones (up to --runs) run each variant's "
+                             "fastest setting so far only, which keeps the sweep under 15 minutes")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                         help="trl[-Nrank], stagerl-{hf|vllm}-Nrank[-subflow]; @mbM pins one micro-batch")
@@ -372,16 +394,14 @@ def main() -> int:
     load_start = os.getloadavg()[0]
     results: list[dict] = []
     try:
-        inputs = build_inputs(work)
         with local_server(work / "prefect") as server:
+            inputs = build_inputs(work)  # while the server starts
             server.wait_healthy()
             prefect = {"PREFECT_API_URL": server.api_url, "PREFECT_HOME": str(work / "prefect"),
                        "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
             ctx = {"work": work, "args": args, "inputs": inputs, "prefect": prefect, "server_pid": server.proc.pid}
-            for run in range(args.runs):  # interleaved: every variant once per round
-                for name in variants:
-                    if parse_variant(name).get("staleness", 0) and run >= args.staleness_runs:
-                        continue
+            for run in range(args.runs):  # interleaved: each variant of the round once
+                for name in round_variants(run, variants, results, args):
                     results.append(run_variant(name, run, ctx))
     finally:
         if not args.keep:
@@ -389,7 +409,7 @@ def main() -> int:
     out = {"bench": "peer_trl", "work": {**WORK, "prompt_tokens": inputs["prompt_tokens"], "steps": args.steps,
                                          "rows_per_step": WORK["prompts"] * WORK["n"], "model": "flows.demo.MODEL_OPTIONS",
                                          "loss": "stagerl token-mean; TRL loss_type=dapo (÷ active tokens of the step)"},
-           "variants": variants, "runs": args.runs, "order": [f"{r['variant']}#{r['run']}" for r in results],
+           "variants": variants, "runs": args.runs, "full_rounds": min(args.full_rounds, args.runs), "order": [f"{r['variant']}#{r['run']}" for r in results],
            "threads": {"requested": args.threads,
                        "trl": f"OMP_NUM_THREADS={args.threads} + torch.set_num_threads({args.threads})",
                        "stagerl": f"flow process OMP_NUM_THREADS={args.threads} (rollout; logprob/update when 1 "
