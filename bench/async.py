@@ -45,6 +45,13 @@ Per run, from the flow's own step log (bench/peer_trl.py's timeline):
                steps 1..N (`mean`) and 2..N (`warm`)
   overlap_s    per step: timing_s/overlap (s>=1: seconds step k's rollout and reward ran beside
                step k-1's logprob/advantage/update)
+The contention probe (on by default): after the rounds, one more s=0 run with a loop of small
+matmuls (BUSY_LOOP, one torch thread, not stagerl) pinned to the engine cores for the whole run;
+contention_probe compares its update train loop (steps 2..N) with the s=0 runs' and with the s=1
+runs', so the part of s=1's slower update that a busy neighbour core alone explains is measured.
+The gap to the ideal is split three ways (figures.gap_split): step 1, which nothing overlaps (the
+s=0 runs' schedule bound minus the ideal); the stages' own slowdown when they overlap (the bound of
+the s=1 runs' own stage times minus the s=0 one); and the schedule's loss (the ratio minus that).
 Medians are over the runs on a quiet machine (others' CPU at most --max-others of one core over the
 run; the rest are listed under `excluded`). Figures: ratio = median wall_s at s=1 / median wall_s
 at s=0 (target <= 0.75); ratio_per_round pairs each round's two runs; ideal =
@@ -182,14 +189,30 @@ def cpu_list(cpus: list[int]) -> str:
     return ",".join(map(str, cpus))
 
 
+# A stand-in for the engine's generation that is not stagerl: small matmuls on one thread, forever.
+BUSY_LOOP = ("import torch\ntorch.set_num_threads(1)\nx, w = torch.randn(64, 256), torch.randn(256, 256) * 0.05\n"
+             "while True:\n    x = torch.tanh(x @ w)\n")
+
+
+def busy_neighbour(cpus: list[int]):
+    """BUSY_LOOP pinned to `cpus` (the contention probe: what a busy engine core alone costs the
+    training core, with no Python, Prefect or GIL of the run's shared between them)."""
+    import subprocess
+
+    return subprocess.Popen(["taskset", "-c", cpu_list(cpus), sys.executable, "-c", BUSY_LOOP], cwd=str(REPO),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 # ---- one run --------------------------------------------------------------------------------
-def run_once(s: int, rnd: int, ctx: dict) -> dict:
+def run_once(s: int, rnd: int, ctx: dict, neighbour: bool = False) -> dict:
+    """One run; with `neighbour`, busy_neighbour on the engine cores while it runs (the probe)."""
     import subprocess
 
     args, work, peer = ctx["args"], ctx["work"], ctx["peer"]
-    name = f"s{s}-r{rnd}"
+    name = f"s{s}-r{rnd}" + ("-busy-neighbour" if neighbour else "")
     out_json, log = work / f"{name}.json", work / f"{name}.log"
     quiet = wait_for_quiet(args.max_load, args.max_wait_s)
+    busy = busy_neighbour(args.engine_cpus) if neighbour else None
     cmd = ["taskset", "-c", ",".join(map(str, args.train_cpus)), sys.executable, str(PEER / "stagerl_run.py"),
            "--out", str(out_json), "--experiment", f"async-{name}", *ctx["overrides"],
            f"actor_rollout_ref.rollout.cpu_affinity=[{','.join(map(str, args.engine_cpus))}]", f"trainer.staleness={s}"]
@@ -207,6 +230,10 @@ def run_once(s: int, rnd: int, ctx: dict) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             code = proc.wait()
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
     t_exit = time.time()
     pinning = monitor.finish(args.engine_cpus, args.train_cpus)
     hz = os.sysconf("SC_CLK_TCK")
@@ -334,6 +361,7 @@ def aggregate(results: list[dict], steps: int, max_others: float = 0.05) -> dict
         ratio_process = round(s1["process_s"] / s0["process_s"], 3)
         bound = [round(schedule_bound(r["per_step"]) / r["wall_s"], 3) for r in good[0]]
         warm_ratio = round(s1["warm_step_s"] / s0["warm_step_s"], 3)
+        own_bound = round(statistics.median(schedule_bound(r["per_step"]) for r in good[1]) / s0["wall_s"], 3)
         out["figures"] = {
             "ratio_wall_s1_over_s0": ratio, "ratio_per_round": paired,
             "ratio_process_s1_over_s0 (start-up included)": ratio_process,
@@ -344,9 +372,41 @@ def aggregate(results: list[dict], steps: int, max_others: float = 0.05) -> dict
             "ideal_schedule_bound": round(statistics.median(bound), 3), "ideal_schedule_bound_per_s0_run": bound,
             "old_log_prob_recompute_s_per_step (s1 logprob - s0 logprob, steps 2..N)": round(
                 s1["stage_s_mean_warm"]["logprob"] - s0["stage_s_mean_warm"]["logprob"], 3),
+            # where the gap to the ideal goes: step 1 (the s=0 bound), the stages' own slowdown
+            # when they overlap (the bound of s=1's own stage times), and the rest (scheduling)
+            "slowdown_when_overlapped (s1 / s0, steps 2..N)": {
+                "engine_generate": round(s1["engine_generate_s"] / s0["engine_generate_s"], 3)
+                if s0["engine_generate_s"] else None,
+                "update_train_loop": round(s1["update_rank_train_s"] / s0["update_rank_train_s"], 3)
+                if s0["update_rank_train_s"] else None},
+            "schedule_bound_of_s1_stage_times": own_bound,
+            "gap_split": {"step_1 (s0 bound - ideal)": round(statistics.median(bound) - ideal_all["max_over_sum"], 3),
+                          "slower stages (s1's bound - s0's bound)": round(own_bound - statistics.median(bound), 3),
+                          "scheduling (ratio - s1's bound)": round(ratio - own_bound, 3)},
             "target_ratio": 0.75, "meets_target": ratio <= 0.75,
             "gap_to_ideal": round(ratio - ideal_all["max_over_sum"], 3),
             "within_0.10_of_ideal": abs(ratio - ideal_all["max_over_sum"]) <= 0.10}
+    return out
+
+
+def contention(probe: dict, summary: dict) -> dict:
+    """The contention probe against the rounds: the update's train loop (steps 2..N) of an s=0 run
+    with a busy neighbour on the engine cores over the s=0 runs' median, beside the same ratio of
+    the s=1 runs (whose neighbour is the engine sampling the next step). A like slowdown says the
+    s=1 update is slower because the other core is busy, not because of what the run shares
+    (its process, Prefect, the GIL): the ideal's U assumes neither."""
+    out = {"run": probe["run"], "returncode": probe["returncode"],
+           "what": "s=0 run with bench/async.py BUSY_LOOP (one torch thread of small matmuls) pinned to the engine cores",
+           "run_result": probe}
+    if "error" in probe or probe["returncode"] != 0:
+        return {**out, "error": probe.get("error", f"exit {probe['returncode']}")}
+    s0, s1 = summary["by_staleness"].get(0), summary["by_staleness"].get(1)
+    train = probe["stage_detail_s"]["update"].get("timing/rank_train_s")
+    base = (s0 or {}).get("update_rank_train_s")
+    out.update({"update_train_loop_s": train, "s0_update_train_loop_s": base,
+                "slowdown_with_busy_neighbour": round(train / base, 3) if train and base else None,
+                "s1_update_train_loop_s": (s1 or {}).get("update_rank_train_s"),
+                "slowdown_at_s1": round(s1["update_rank_train_s"] / base, 3) if s1 and base else None})
     return out
 
 
@@ -373,6 +433,9 @@ def main() -> int:
     parser.add_argument("--max-others", type=float, default=0.05,
                         help="a run where other processes used more than this share of a core is left out of the medians")
     parser.add_argument("--run-timeout", type=float, default=900.0)
+    parser.add_argument("--contention-probe", action=argparse.BooleanOptionalAction, default=True,
+                        help="after the rounds, one more s=0 run with a busy loop (not stagerl) on the engine "
+                             "cores: the update's train loop beside it against the s=0 runs' (contention_probe)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "async.json")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, runs)")
     parser.add_argument("overrides", nargs="*", help="key=value for every run, after the bench's own")
@@ -408,10 +471,13 @@ def main() -> int:
             for rnd in range(args.rounds):  # interleaved; the order alternates per round
                 for s in (args.staleness if rnd % 2 == 0 else args.staleness[::-1]):
                     results.append(run_once(s, rnd, ctx))
+            probe = run_once(0, args.rounds, ctx, neighbour=True) if args.contention_probe and 0 in args.staleness else None
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     summary = aggregate(results, args.steps, args.max_others)
+    if probe is not None:
+        summary["contention_probe"] = contention(probe, summary)
     out = {"bench": "async", "steps": args.steps, "rounds": args.rounds,
            "command": "python bench/async.py " + " ".join(sys.argv[1:]),
            "work": {**peer.WORK, "rows_per_step": peer.WORK["prompts"] * peer.WORK["n"], "ranks": 1, "engine": "hf",
@@ -429,7 +495,9 @@ def main() -> int:
            "date": time.strftime("%Y-%m-%d %H:%M"), "code": code_state()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({"figures": out.get("figures"), "by_staleness": out["by_staleness"],
+    print(json.dumps({"figures": out.get("figures"), "contention_probe": {k: v for k, v in (out.get("contention_probe") or {}).items()
+                                                                          if k != "run_result"},
+                      "by_staleness": out["by_staleness"],
                       "load_avg_1m": out["load_avg_1m"]}, indent=1))
     return 0 if all("error" not in r and r["returncode"] == 0 for r in results) else 1
 
