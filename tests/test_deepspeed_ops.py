@@ -60,36 +60,46 @@ def test_a_stale_build_lock_is_removed_and_a_live_build_waited_for(tmp_path, mon
     assert done == [[build / "lock"]]
 
 
-def test_a_planted_build_lock_does_not_hang_the_update_set_up():
-    """A lock planted in `make install`'s prebuilt op folder (as an interrupted build leaves it):
-    building an update's DeepSpeed engine (which loads the comm op) finishes and the lock is gone.
-    Before, the load waited for the lock forever."""
-    lock = DEFAULT_DIR / "deepspeed_shm_comm" / "lock"
+def private_op_folder(tmp_path):
+    """A copy of `make install`'s prebuilt op folder (mtimes kept: nothing is rebuilt) to plant a
+    lock in: one planted in the shared folder is every concurrent test's too (each run clears stale
+    locks, after their grace), which both delayed those tests and raced this one's removal."""
+    import shutil
+
+    shutil.copytree(DEFAULT_DIR / "deepspeed_shm_comm", tmp_path / "deepspeed_shm_comm", symlinks=True)
+    (tmp_path / "deepspeed_shm_comm" / "lock").unlink(missing_ok=True)
+    return tmp_path, tmp_path / "deepspeed_shm_comm" / "lock"
+
+
+def test_a_planted_build_lock_does_not_hang_the_update_set_up(tmp_path):
+    """A lock planted in a prebuilt op folder (as an interrupted build leaves it): building an
+    update's DeepSpeed engine (which loads the comm op) finishes and the lock is gone. Before,
+    the load waited for the lock forever."""
+    folder, lock = private_op_folder(tmp_path)
     code = ("import torch; from stages.ranks.launch import init_distributed; "
             "from stages.training.engine import make_engine; init_distributed('cpu'); "
             "make_engine(torch.nn.Linear(2, 2), {'lr': 1e-3}, {'train_micro_batch_size_per_gpu': 1, "
             "'gradient_accumulation_steps': 1, 'zero_optimization': {'stage': 2}, "
             "'zero_allow_untested_optimizer': True}); print('ready')")
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(DEFAULT_DIR)}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}
     lock.touch()
-    try:
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             timeout=180, cwd=DEFAULT_DIR.parent.parent)
-    finally:
-        lock.unlink(missing_ok=True)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=180, cwd=DEFAULT_DIR.parent.parent)
     assert run.returncode == 0 and "ready" in run.stdout, run.stderr[-2000:]
+    assert f"removed the stale DeepSpeed op build lock {lock}" in run.stderr and not lock.exists()
 
 
-def test_a_planted_build_lock_does_not_hang_make_installs_prebuild():
+def test_a_planted_build_lock_does_not_hang_make_installs_prebuild(tmp_path):
     """`python -m stages.ranks.deepspeed_ops` (make install) after an interrupted build: the lock
-    that build left is removed, naming it, and the op is ready. Before, it waited forever."""
-    lock = DEFAULT_DIR / "deepspeed_shm_comm" / "lock"
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(DEFAULT_DIR)}
+    that build left is removed, naming it, and the op is ready (the prebuilt one: no build). Before,
+    it waited forever."""
+    folder, lock = private_op_folder(tmp_path)
+    so = folder / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    built_at = so.stat().st_mtime
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}
     lock.touch()
-    try:
-        run = subprocess.run([sys.executable, "-m", "stages.ranks.deepspeed_ops"], env=env, capture_output=True,
-                             text=True, timeout=180, cwd=DEFAULT_DIR.parent.parent)
-    finally:
-        lock.unlink(missing_ok=True)
+    run = subprocess.run([sys.executable, "-m", "stages.ranks.deepspeed_ops"], env=env, capture_output=True,
+                         text=True, timeout=180, cwd=DEFAULT_DIR.parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert f"removed the stale DeepSpeed op build lock {lock}" in run.stderr and "DeepSpeed CPU comm op ready" in run.stderr
+    assert f"removed the stale DeepSpeed op build lock {lock}" in run.stderr
+    assert f"DeepSpeed CPU comm op ready: {so}" in run.stderr and so.stat().st_mtime == built_at
