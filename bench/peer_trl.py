@@ -48,8 +48,9 @@ Per run, from one instant t0 (the parent's time.time() just before it starts the
                everything outside them by part), mean over steps 2..N
 Rounds: every setting runs once per round, interleaved, in the first --full-rounds rounds (2);
 the rounds after them, up to --runs (3), run each variant's fastest setting so far only (the one
-best vs best compares), so best vs best is of medians of 3 runs and every other matched ratio of
-medians of 2 (the full sweep in every round took 16 minutes, 37 runs of ~25 s).
+best vs best compares), so those settings get 3 runs and the others 2 (the full sweep in every
+round took 16 minutes, 37 runs of ~25 s). Best vs best takes the lowest median as it stands after
+all rounds: a third run can leave another setting (of 2 runs) the fastest.
 Medians over runs per variant; ratio_vs_trl = variant median / the median of TRL at the same ranks
 and micro-batch (< 1: faster); best_vs_best = each side at its fastest micro-batch per rank count
 (its lowest median warm s/step) against the other's, which is what a user comparing the two runs."""
@@ -324,9 +325,9 @@ def fastest(median: dict) -> dict:
 
 def round_variants(run: int, variants: list[str], results: list[dict], args) -> list[str]:
     """What round `run` runs: every setting in the first --full-rounds rounds; after them only
-    each variant's fastest setting so far (what best vs best compares), so the headline medians
-    are of --runs runs and every matched ratio of --full-rounds; a -s<N> variant in the first
-    --staleness-runs rounds only."""
+    each variant's fastest setting so far (`fastest`, what best vs best compares), which so get
+    --runs runs and the others --full-rounds; a -s<N> variant in the first --staleness-runs rounds
+    only."""
     if run >= args.full_rounds:
         best = set(fastest(aggregate(results, variants)).values())
         variants = [v for v in variants if v in best]
