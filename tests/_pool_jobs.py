@@ -11,4 +11,7 @@ def rank_main(ctx, rank, world):
         from storage.store import StoreError
         raise StoreError(f"s3://bucket/x: connection refused on rank {rank}")
     time.sleep(float(ctx.get("sleep_s", 0)))
-    return {"rank": rank, "world": world, "pid": os.getpid(), "ctx": ctx, "cwd": os.getcwd()}
+    import torch
+
+    return {"rank": rank, "world": world, "pid": os.getpid(), "ctx": ctx, "cwd": os.getcwd(),
+            "cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}

@@ -53,7 +53,7 @@ def weights(store, experiment, step):
 def test_the_engine_and_the_training_share_the_cores_when_they_overlap():
     """At staleness > 0 the engine samples while the update trains: unpinned, each takes half the
     cores (never more busy threads than cores), the engine in its own process and the one-rank
-    update in the flow's; pinned (rollout.cpu_affinity), the engine takes its cores and this
+    update in its forked rank (flows.train.training_threads; in the flow's without a fork server); pinned (rollout.cpu_affinity), the engine takes its cores and this
     process is left alone; at staleness 0 the engine has every core."""
     import torch
 
@@ -100,8 +100,9 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     assert read_manifest(store, layout, 3, "rollout")["extra"]["staleness"] == 1
     # one mini-batch, one epoch: the old log-probs (the current policy's) are the update's first forward
     assert "old_log_probs" in read_file(store, layout, 2, "update", "update/log_probs.parquet").column_names
-    # one rank, the engine in its own process: the first update's DeepSpeed set-up was built in a
-    # thread beside the first rollout (flows.train.in_process_prepare), so step 1 reused it
+    # one rank, the engine in its own process: the update trains in a one-rank pool forked from
+    # the run's fork server, whose prepare job built the first DeepSpeed set-up beside the first
+    # rollout (flows.train.start_rank_pool), so step 1 reused it
     assert read_file(store, layout, 1, "update", "update/metrics.json")["update/engine_reused"] is True
     assert "timing_s/overlap:" in run.stdout, run.stdout[-3000:]  # step 2+: its rollout beside the previous update
     # the step report (a Prefect artifact per step) states the overlap achieved

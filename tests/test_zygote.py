@@ -134,6 +134,46 @@ def test_a_rank_pool_forked_from_the_zygote(zygote, tmp_path):
         assert gone(pid), f"process {pid} is still running after close()"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one for the server, one for the rank")
+def test_a_one_rank_pool_forked_beside_a_pinned_engine_runs_on_the_training_cores(tmp_path):
+    """A one-rank run whose engine is a forked worker trains in a rank forked from the same server
+    (flows.train.start_rank_pool): the server runs on the engine's core, the rank on the cores and
+    with the threads it is given (where the flow's process would have trained)."""
+    engine, training = sorted(os.sched_getaffinity(0))[:2]
+    with pytest.raises(ValueError, match="needs a fork server"):
+        RankPool(1, "cpu", tmp_path / "nopool")
+    server = Zygote.start(preload=("torch",), cpus=(engine,))
+    try:
+        with RankPool(1, "cpu", tmp_path / "pool", spawner=server, threads=1, cpus=(training,)) as pool:
+            assert pool.forked()
+            [result] = pool.submit("tests._pool_jobs", {"message": "one"})
+            assert (result["rank"], result["world"]) == (0, 1)
+            assert result["cpus"] == [training] and result["threads"] == 1
+            assert result["pid"] != server.proc.pid and os.sched_getaffinity(server.proc.pid) == {engine}
+        # the training flow's choice: a one-rank run with a fork server (its hf engine a forked
+        # worker, here unpinned at staleness 1) gets such a pool, with the training's share of
+        # the cores as threads; without a fork server its one rank trains in the flow's process
+        from configs.loader import load_config
+        from configs.suggest import make_plan
+        from flows.train import start_rank_pool
+        import torch
+
+        from stages.engines import split_cores
+
+        cfg = load_config("tiny-cpu", ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
+                                       "trainer.staleness=1"])
+        plan = make_plan(cfg)
+        assert start_rank_pool(cfg, plan, None) is None
+        pool = start_rank_pool(cfg, plan, server)
+        try:
+            share = min(torch.get_num_threads(), split_cores(len(os.sched_getaffinity(0)))[1])  # 1 of 2 cores
+            assert (pool.world, pool.threads, pool.cpus) == (1, share, tuple(sorted(os.sched_getaffinity(0))))
+        finally:
+            pool.close()
+    finally:
+        server.close()
+
+
 def test_a_rank_of_a_forked_pool_killed_during_a_job_is_named(zygote, tmp_path):
     """The forked group's leader says which rank died first: the job fails naming its rank, pid,
     host and signal."""

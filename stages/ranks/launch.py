@@ -3,7 +3,9 @@
     results = run_ranks("stages.logprob", ctx, world=2)     # [rank 0's return value, rank 1's, ...]
 
 - world == 1: called in this process (a launch costs 6-13 s on CPU; single-rank jobs skip it).
-  `init_distributed` then makes a one-process group on a free port if a rank needs one.
+  `init_distributed` then makes a one-process group on a free port if a rank needs one. Unless
+  the context's session has a one-rank pool (forked from the run's fork server where the rollout
+  engine is a forked worker too: flows.train.start_rank_pool): the job is submitted there.
 - world > 1 with a rank pool of that world and device in the context's session
   (`ctx.session.rank_pool`, stages.session), started as trainer.launcher says (torchrun: on this
   machine; deepspeed: over the same trainer.hostfile, its ranks on several machines): the job is
@@ -67,6 +69,9 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     launcher / hostfile default to the context's trainer.launcher / trainer.hostfile."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    pool = getattr(getattr(ctx, "session", None), "rank_pool", None)
+    if world == 1 and pool is not None and pool.world == 1 and pool.device == str(device):
+        return pool.submit(module, ctx, timeout_s=timeout_s)
     if world == 1:
         session = getattr(ctx, "session", None)
         if session is not None:  # the run's one-rank set-up ahead (flows.train prepare_update)
@@ -80,7 +85,6 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     if launcher == "torchrun" and hostfile is not None:
         raise ValueError(f"trainer.hostfile={hostfile} is read by DeepSpeed's launcher only; "
                          f"set trainer.launcher=deepspeed")
-    pool = getattr(getattr(ctx, "session", None), "rank_pool", None)
     pool_hostfile = getattr(pool, "hostfile", None)
     if (pool is not None and pool.world == world and pool.device == str(device)
             and (pool_hostfile is None if launcher == "torchrun" else

@@ -1,7 +1,9 @@
 """A persistent pool of N ranks: one torchrun job per training run, reused by every N-rank stage
 (logprob, update) of every step, instead of one launch (6-13 s + imports + engine set-up) per call.
 On one CPU machine with a fork server (stages.ranks.zygote, the run session's `spawner`) the ranks are
-forked from it (torch, transformers and DeepSpeed already imported) in place of torchrun.
+forked from it (torch, transformers and DeepSpeed already imported) in place of torchrun. There a
+pool may have one rank (`world=1`): a one-rank run whose rollout engine is a forked worker trains
+in a rank forked beside it instead of in the flow's process (flows.train.start_rank_pool).
 
     with RankPool(world=2, device="cpu") as pool:     # starts `stages.ranks.server` under torchrun
         session.rank_pool = pool                        # run_ranks(...) with ctx.session submits to it
@@ -48,12 +50,16 @@ ERROR_TAIL = 4000
 
 class RankPool:
     def __init__(self, world: int, device: str = "cpu", work_dir=None, start_timeout_s: float = 600,
-                 grace_s: float = 30.0, heartbeat_timeout_s: float = 60.0, hostfile=None, spawner=None):
-        if world < 2:
-            raise ValueError(f"a rank pool needs world >= 2 (world 1 runs in-process), got {world}")
+                 grace_s: float = 30.0, heartbeat_timeout_s: float = 60.0, hostfile=None, spawner=None,
+                 threads: int = 1, cpus=None):
+        if world < 2 and spawner is None:
+            raise ValueError(f"a rank pool of world {world} needs a fork server to fork its rank from "
+                             f"(world 1 otherwise runs in-process)")
         self.world, self.device = int(world), str(device)
         self.hostfile = hostfile  # None: torchrun on this machine; else DeepSpeed's launcher over it
         self.spawner = spawner  # stages.ranks.zygote.Zygote: CPU ranks forked from it instead of torchrun
+        self.threads = int(threads)  # each rank's torch threads (OMP_NUM_THREADS)
+        self.cpus = tuple(cpus) if cpus else None  # the cores forked ranks run on (None: the server's)
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir) if work_dir else scratch_dir("pool")
         self.start_timeout_s, self.grace_s = start_timeout_s, grace_s
@@ -102,7 +108,7 @@ class RankPool:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}",
                    "-m"] + server
         env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = "1"
+        env["OMP_NUM_THREADS"] = str(self.threads)
         env["MASTER_PORT"] = str(free_port())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -114,7 +120,7 @@ class RankPool:
             if self._forked:  # torchrun's job done by a fork of the run's fork server: no imports
                 self.proc = self.spawner.popen_group(self.world, "stages.ranks.server:main", server[1:], env,
                                                      int(env["MASTER_PORT"]), stdout=out, stderr=err,
-                                                     new_session=True)
+                                                     new_session=True, cpus=self.cpus)
             else:
                 self.proc = subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stdout=out, stderr=err,
                                              start_new_session=True)

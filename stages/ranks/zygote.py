@@ -15,8 +15,8 @@ launcher, two ranks, two rollout workers), each importing torch (+ transformers,
 What a child gets, as from `python -m`: the environment it is given (torch's intra-op threads set
 from its OMP_NUM_THREADS: libgomp read the variable when the zygote imported torch), the working
 directory, stdin from /dev/null, stdout/stderr on the given files, its own session when asked
-(`new_session`, as Popen's start_new_session), and fds passed to it (their numbers in the child
-replace "{fd0}", "{fd1}", ... in its arguments). It dies with the zygote (PR_SET_PDEATHSIG), and
+(`new_session`, as Popen's start_new_session), the cores asked for (`cpus`; else the server's),
+and fds passed to it (their numbers in the child replace "{fd0}", "{fd1}", ... in its arguments). It dies with the zygote (PR_SET_PDEATHSIG), and
 the zygote dies with its owner (PDEATHSIG, and its socket's end). Its exit code reaches the owner
 through a pipe the zygote writes when it reaps it. A group (`popen_group`) is one forked leader
 that forks the ranks with RANK/WORLD_SIZE/MASTER_* set, waits for them and, when one fails, stops
@@ -190,15 +190,17 @@ class Zygote:
                                        and int(spec.setting("tensor_model_parallel_size") or 1) == 1)
 
     def popen(self, target: str, args: list, env: dict, stdout=None, stderr=None, pass_fds=(), cwd=None,
-              new_session: bool = False, group: dict | None = None) -> "ForkedProcess":
+              new_session: bool = False, group: dict | None = None, cpus=None) -> "ForkedProcess":
         """Fork `target` ("module:function", called with `args`; its return value is the exit
-        code) with `env`; stdout/stderr: open files (None: the zygote's). Returns at once, also
+        code) with `env`; stdout/stderr: open files (None: the zygote's); `cpus`: the cores it
+        runs on (None: the server's, which it inherits). Returns at once, also
         while the zygote still imports: the handle learns its pid when it is first needed. It
         runs in `cwd`, by default the caller's working directory, as every process a run starts
         on its host: relative paths in the config (storage.root, custom_reward_function.path)
         mean the same in all of them."""
         request = {"target": target, "args": [str(a) for a in args], "env": dict(env),
                    "cwd": str(cwd or os.getcwd()), "new_session": bool(new_session), "group": group,
+                   "cpus": sorted(int(c) for c in cpus) if cpus else None,
                    "n_pass": len(pass_fds), "has_out": stdout is not None, "has_err": stderr is not None}
         fds = [f.fileno() for f in (stdout, stderr) if f is not None] + [int(fd) for fd in pass_fds]
         with self._lock:

@@ -56,6 +56,11 @@ def _child(request: dict, fds: list, sock: socket.socket, others: list, parent: 
                 os.dup2(fd, target_fd)
                 os.close(fd)
         passed = fds[:request["n_pass"]]
+        if request.get("cpus"):  # the cores asked for, not the server's (a pinned engine's)
+            try:
+                os.sched_setaffinity(0, request["cpus"])
+            except OSError:  # a core this machine lacks: it runs on the server's
+                pass
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
