@@ -634,9 +634,11 @@ def start_rank_pool(cfg: dict, plan: dict, spawner=None):
     if world < 1 or cfg["orchestration"]["mode"] != "local" or (trainer.get("launcher") == "deepspeed"
                                                                 and hostfile is None):
         return None
-    if world == 1 and (spawner is None or hostfile is not None or str(trainer["device"]) != "cpu"):
-        return None  # the one rank trains in this process (stages.ranks.launch.run_ranks)
     from stages.ranks.pool import RankPool
+    from stages.ranks.zygote import forks_one_rank
+
+    if world == 1 and (spawner is None or not forks_one_rank(cfg, plan)):
+        return None  # the one rank trains in this process (stages.ranks.launch.run_ranks)
 
     threads, cpus = 1, None
     if world == 1:  # where this process would have trained: its cores, its training threads

@@ -321,8 +321,14 @@ def test_cli_plan_json_keys(capsys):
     assert plan["update_engine"]["engine"] == "DeepSpeed ZeRO-2, fp32, torch AdamW, 6 ranks"
     assert "shards the optimizer state and gradients over the 6 ranks" in plan["update_engine"]["why"]
     assert main(["plan", "--config", "tiny-cpu", "trainer.n_gpus_per_node=1"]) == 0
-    assert "update engine: DeepSpeed ZeRO-2, fp32, torch AdamW, 1 rank: at one rank ZeRO shards nothing" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "update engine: DeepSpeed ZeRO-2, fp32, torch AdamW, 1 rank: at one rank ZeRO shards nothing" in out
+    assert out.count("ranks: one rank in the flow's process") == 1  # the hf engine is there too
+    # an hf engine in a forked worker (trainer.staleness=1): the one rank is forked beside it
+    assert main(["plan", "--config", "tiny-cpu", "--json", "trainer.n_gpus_per_node=1",
+                 "actor_rollout_ref.rollout.name=hf", "trainer.staleness=1"]) == 0
+    assert json.loads(capsys.readouterr().out)["update_engine"]["ranks"].startswith("one rank forked from the run's fork server")
+    assert plan["update_engine"]["ranks"] == "a pool of 6 ranks forked once from the run's fork server"
 
 
 def test_cli_refusal_exits_2_with_json_error(capsys):

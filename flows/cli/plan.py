@@ -62,7 +62,7 @@ def run_plan(args) -> int:
     else:
         print(render_plan(plan, cfg))
         print(render_memory(memory, cfg))
-        print(f"update engine: {engine['engine']}: {engine['why']}")
+        print(f"update engine: {engine['engine']}: {engine['why']}; ranks: {engine['ranks']}")
         if plan.get("async"):  # trainer.staleness >= 1: what the pipelined schedule samples and corrects
             a = plan["async"]
             print(f"staleness {a['staleness']}: {a['rollout_samples']}, beside the previous step's training; "
@@ -115,7 +115,28 @@ def update_engine(cfg, plan: dict) -> dict:
                "ZeRO-2 within noise and within 1.1x a plain PyTorch loop of the same math")
     else:
         why = f"ZeRO-{stage} shards the {shards[stage]} over the {world} ranks (actor_rollout_ref.actor.deepspeed.zero_stage)"
-    return {"engine": name, "zero_stage": stage, "dtype": dtype, "world": world, "why": why}
+    return {"engine": name, "zero_stage": stage, "dtype": dtype, "world": world, "why": why,
+            "ranks": rank_placement(cfg, plan)}
+
+
+def rank_placement(cfg, plan: dict) -> str:
+    """Where the update's ranks run (flows.train.start_rank_pool, stages.ranks.launch.run_ranks)."""
+    from stages.ranks.zygote import forks_one_rank, forks_ranks, wanted
+
+    world, trainer = plan["n_gpus"], cfg["trainer"]
+    if cfg["orchestration"]["mode"] != "local":
+        return f"{world} rank{'s' if world > 1 else ''} in each update run of orchestration.update_deployment"
+    if world == 1:
+        if forks_one_rank(cfg, plan):
+            return ("one rank forked from the run's fork server beside the rollout engine's worker, on the "
+                    "flow's cores (the flow's process imports neither transformers nor DeepSpeed)")
+        return "one rank in the flow's process"
+    if trainer.get("launcher") == "deepspeed":
+        return (f"a pool of {world} ranks started once by DeepSpeed's launcher over {trainer['hostfile']}"
+                if trainer.get("hostfile") else f"{world} ranks started by DeepSpeed's launcher for each stage call")
+    if forks_ranks(cfg, world) and wanted(cfg, plan):
+        return f"a pool of {world} ranks forked once from the run's fork server"
+    return f"a pool of {world} ranks started once under torchrun"
 
 
 def render_resume(resume: dict) -> str:

@@ -65,6 +65,15 @@ def forks_ranks(cfg: dict, world: int) -> bool:
     return world > 1 and cfg["trainer"].get("launcher") != "deepspeed"
 
 
+def forks_one_rank(cfg: dict, plan: dict) -> bool:
+    """A one-rank run on this machine's CPU whose rollout engine is a forked worker (`wanted`):
+    its rank is forked from the same server too (flows.train.start_rank_pool), not run in the
+    flow's process."""
+    trainer = cfg["trainer"]
+    return (plan["n_gpus"] == 1 and wanted(cfg, plan) and trainer.get("launcher") != "deepspeed"
+            and not trainer.get("hostfile"))
+
+
 def preload(cfg: dict, world: int) -> tuple:
     """What the fork server imports: the ranks' modules when it forks ranks, else the engine's;
     vLLM's too where the rollout engine is vLLM (its CPU workers are then forked as well:
@@ -75,9 +84,10 @@ def preload(cfg: dict, world: int) -> tuple:
 
 def engine_cpus(cfg: dict, world: int) -> tuple:
     """The cores the server itself runs on: a pinned rollout engine's
-    (`actor_rollout_ref.rollout.cpu_affinity`) when it forks no ranks, only that engine's workers
-    (which pin themselves there anyway), so that its imports run beside the run's start-up on the
-    engine's cores, not on the training's (the first rollout waited ~1.5 s for them); () else."""
+    (`actor_rollout_ref.rollout.cpu_affinity`) when it forks no pool of ranks, only that engine's
+    workers (which pin themselves there anyway) and a one-rank pool's rank (forked onto the flow's
+    cores: `forks_one_rank`), so that its imports run beside the run's start-up on the engine's
+    cores, not on the training's (the first rollout waited ~1.5 s for them); () else."""
     if forks_ranks(cfg, world):
         return ()
     return tuple(int(c) for c in (cfg["actor_rollout_ref"]["rollout"].get("cpu_affinity") or ()))
