@@ -122,8 +122,12 @@ def release(store, keys) -> list[str]:
 
 
 def delete_tree(store, key: str) -> list[str]:
-    """Delete everything under `key` after copying what forks reference there into them."""
+    """Delete everything under `key` after copying what forks reference there into them. A
+    folder's manifest goes first: a deletion cut short (the run killed while it prunes) leaves
+    an uncommitted folder, which nothing reads, not a committed one with files missing, which
+    `stagerl verify` reports as damaged and a resume then refuses to start from."""
     copied = release(store, [key])
+    store.delete(f"{key}/{WEIGHTS_MANIFEST}")
     store.delete(key, recursive=True)
     return copied
 

@@ -59,6 +59,31 @@ def test_weights_of_a_step_still_committing_are_not_counted(tmp_path):
     assert prune_weights(store, layout, 2, cfg) == [1] and list_weights(store, layout) == [2]
 
 
+def test_a_prune_cut_short_leaves_no_committed_folder_with_files_missing(tmp_path, monkeypatch):
+    """A run killed while it prunes old weights (the folder half deleted: here the store's backend
+    stops after removing the weights file, as a SIGKILL would) leaves that folder uncommitted, not
+    damaged: `verify_run` is ok, so `stagerl resume` starts (a clean-clone CI run once failed on it:
+    a kill in step 3's background commit landed inside the flow's rmtree of step 1's folder)."""
+    from storage.verify import verify_run
+
+    store, layout = Store.from_config({"root": str(tmp_path / "runs")}), RunLayout(PROJECT, "p")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "model.bin").write_bytes(b"weights")
+    for k in (1, 2):
+        save_folder(store, tmp_path / "w", layout.weights(k))
+    store.write_json(layout.manifest(2, "update"), {"stage": "update", "files": {}})
+
+    def killed(path):  # the data file goes, then the process is gone
+        os.remove(os.path.join(path, "model.bin"))
+        raise KeyboardInterrupt("killed while deleting")
+    monkeypatch.setattr(store.backend, "delete_tree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prune_weights(store, layout, 2, {"trainer": {"save_freq": -1, "max_actor_ckpt_to_keep": None}})
+    assert list_weights(store, layout) == [2]  # step 1's folder is no longer committed
+    report = verify_run(store, layout)
+    assert report.ok and report.folders == 1, report.damaged
+
+
 def test_retry_policy_retries_storage_errors_only():
     assert is_retryable(StoreError("write s3://b/k failed"))
     assert is_retryable(ConnectionError("reset")) and is_retryable(TimeoutError())
