@@ -323,7 +323,7 @@ def test_cli_plan_json_keys(capsys):
     assert main(["plan", "--config", "tiny-cpu", "trainer.n_gpus_per_node=1"]) == 0
     out = capsys.readouterr().out
     assert "update engine: DeepSpeed ZeRO-2, fp32, torch AdamW, 1 rank: at one rank ZeRO shards nothing" in out
-    assert out.count("ranks: one rank in the flow's process") == 1  # the hf engine is there too
+    assert out.count("ranks: one rank in the flow's process") == 1  # tiny-cpu samples with vLLM: no fork server at one rank
     # an hf engine in a forked worker (trainer.staleness=1): the one rank is forked beside it
     assert main(["plan", "--config", "tiny-cpu", "--json", "trainer.n_gpus_per_node=1",
                  "actor_rollout_ref.rollout.name=hf", "trainer.staleness=1"]) == 0
