@@ -77,9 +77,7 @@ def stage_fingerprint(ctx) -> str:
 def _engine_options(ctx, model_dir, version: str | None = None) -> EngineOptions:
     """`version`: the weights version model_dir holds (ctx.rollout_version() for the step's own
     weights; None for the initial model). With trainer.staleness the engine runs in its own
-    process (the update trains beside it, on its share of the cores); rollout.cpu_affinity pins that
-    process (in_own_process); a run with a fork server (ctx.session.spawner: stages.ranks.zygote)
-    forks even a single hf engine from it, so the flow's process never imports transformers."""
+    process (the update trains beside it); rollout.cpu_affinity pins that process (in_own_process)."""
     plan_rollout = (ctx.plan or {}).get("rollout") or {}
     max_len = (ctx.plan or {}).get("max_seq_len") or (
         int(ctx.get("data.max_prompt_length")) + int(ctx.get("data.max_response_length")))
@@ -90,15 +88,7 @@ def _engine_options(ctx, model_dir, version: str | None = None) -> EngineOptions
                          prompts_per_replica=plan_rollout.get("prompts_per_replica"),
                          max_model_len=int(max_len),
                          engine_seed=derive_seed(ctx.get("trainer.seed", 0), ctx.get(f"{ROLLOUT}.seed", 0) or 0),
-                         weights_version=version, cpus=cpus,
-                         own_process=in_own_process(ctx.staleness(), cpus) or _forked_run(ctx, device),
-                         share_cores=ctx.staleness() > 0 and not cpus)
-
-
-def _forked_run(ctx, device: str) -> bool:
-    """A training run on the CPU whose session has a fork server: its engines are forked from it."""
-    session = getattr(ctx, "session", None)
-    return device == "cpu" and getattr(session, "spawner", None) is not None
+                         weights_version=version, own_process=in_own_process(ctx.staleness(), cpus), cpus=cpus)
 
 
 def rollout_engines(ctx):

@@ -63,8 +63,7 @@ def test_the_engine_and_the_training_share_the_cores_when_they_overlap():
     assert [split_cores(c) for c in (1, 2, 3, 8)] == [(1, 1), (1, 1), (1, 2), (4, 4)]
     cores = available_cores()
     spec = lambda **kw: make_spec(EngineOptions(model_dir="m", rollout={}, **kw), "hf", 0, 1)
-    assert spec(own_process=in_own_process(1, None), share_cores=True).threads == split_cores(cores)[0]
-    assert spec(own_process=True).threads == cores  # forked at staleness 0 (a run's fork server): every core
+    assert spec(own_process=in_own_process(1, None)).threads == split_cores(cores)[0]
     assert spec(own_process=in_own_process(1, [0]), cpus=(0,)).threads == 1
     assert spec(own_process=in_own_process(0, None)).threads == cores
     before = torch.get_num_threads()

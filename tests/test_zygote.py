@@ -82,8 +82,8 @@ def test_a_launcher_hands_its_fork_server_to_the_run(tmp_path, monkeypatch):
     one_rank = load_config("tiny-cpu", ["trainer.n_gpus_per_node=1"])
     assert prestart(one_rank) is None and HANDOVER_ENV not in os.environ  # nothing to fork
     hf = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf"]
-    for extra, forks in (([], True), (["trainer.staleness=1"], True), (["orchestration.fork_server=false"], False)):
-        one = load_config("tiny-cpu", hf + extra)  # one rank: its hf engine is forked (and its rank)
+    for extra, forks in (([], False), (["trainer.staleness=1"], True), (["actor_rollout_ref.rollout.cpu_affinity=[0]"], True)):
+        one = load_config("tiny-cpu", hf + extra)  # one rank: only an hf engine in its own process is forked
         assert wanted(one, make_plan(one)) is forks, extra
     cfg = load_config("tiny-cpu", [])
     assert wanted(cfg, make_plan(cfg))

@@ -102,7 +102,7 @@ def main() -> int:
         "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                     "torch.get_num_threads (flow process)": torch.get_num_threads()},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                     "transformers": _version("transformers"),  # not imported: where the run forks its engine and ranks this process never does
+                     "transformers": _version("transformers"),  # not imported: at 2 ranks this process never does
                      "deepspeed": _version("deepspeed"), "prefect": _version("prefect")},
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -108,9 +108,8 @@ class EngineOptions:
     # the weights version the call must sample from (stages.training.handoff.version_id); None:
     # whatever model_dir holds (the initial model, a one-off call)
     weights_version: str | None = None
-    own_process: bool = False  # never in the calling process (in_own_process, or a run that forks its engine)
+    own_process: bool = False  # never in the calling process (in_own_process: staleness or a pinned engine)
     cpus: tuple = ()  # CPU cores the engine's worker processes are pinned to (rollout.cpu_affinity; (): not pinned)
-    share_cores: bool = False  # unpinned, sampling while the update trains (trainer.staleness): its share of the cores
     timings: dict = field(default_factory=dict)
 
 
@@ -256,7 +255,7 @@ def make_spec(options: EngineOptions, engine: str, replica: int, num_replicas: i
     cores = available_cores()
     if options.cpus:  # pinned: the replicas share these cores
         cores = len(options.cpus)
-    elif options.share_cores:  # beside the training (trainer.staleness), unpinned: its share of the cores
+    elif options.own_process:  # beside the training (trainer.staleness), unpinned: its share of the cores
         cores = split_cores(cores)[0]
     threads = int(os.environ.get("STAGERL_ENGINE_THREADS") or 0) or max(1, cores // max(1, num_replicas * (tp if engine == "vllm" else 1)))
     return EngineSpec(engine=engine, model_dir=str(options.model_dir), rollout=rollout,

@@ -15,8 +15,7 @@ every row carries its own seed and the batches are fixed.
 Not resident (no session: a one-off rollout, a stage deployment, tests): hf runs in this process
 and is dropped after the call; vLLM gets one worker per replica for the call (its process exit
 frees GPU memory), all replicas started at once. One exception to worker processes: a run's hf
-engine with a single replica on a CPU is kept in the calling process (in_process_resident), unless
-the run forks it from its fork server (EngineOptions.own_process: stages.rollout).
+engine with a single replica on a CPU is kept in the calling process (in_process_resident).
 """
 from __future__ import annotations
 
@@ -65,10 +64,10 @@ def torch_threads(n: int):
 
 
 def in_process_resident(specs) -> bool:
-    """hf with one replica on a CPU stays in the calling process where it is not forked
-    (own_process: trainer.staleness, a pinned engine, a run with a fork server): a fresh worker
-    process would add a Python with torch and transformers to import (seconds of CPU on a small
-    machine) for no parallelism. vLLM, several replicas and GPUs get worker processes."""
+    """hf with one replica on a CPU stays in the calling process even in a run: a worker process
+    would add a Python with torch and transformers to import (seconds of CPU on a small machine)
+    for no parallelism, and nothing needs freeing for the update. vLLM, several replicas and GPUs
+    get worker processes."""
     return len(specs) == 1 and specs[0].engine == "hf" and specs[0].device == "cpu" and not specs[0].own_process
 
 

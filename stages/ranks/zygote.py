@@ -51,14 +51,13 @@ HANDOVER_ENV = "STAGERL_FORK_SERVER"  # fd:server pid:owner pid (Zygote.hand_ove
 
 def wanted(cfg: dict, plan: dict) -> bool:
     """Whether a run forks CPU processes: ranks of a pool on this machine (no DeepSpeed launcher)
-    or hf rollout workers (every replica, even a single one: stages.rollout forks it where the
-    run has a server, and then its one rank too: `forks_one_rank`), in local mode on the CPU,
-    with orchestration.fork_server on. Measured at one rank (BENCHMARKS.md): the flow's process
-    then imports neither transformers nor DeepSpeed, and start-up + 10 steps took 17.7 s against
-    21.2 s with the engine and the update in it (medians of 5 interleaved pairs)."""
+    or hf rollout workers (more than one replica, or one in its own process:
+    stages.engines.in_own_process), in local mode on the CPU, with orchestration.fork_server on."""
     if not _local_cpu(cfg):
         return False
-    return bool(forks_ranks(cfg, plan["n_gpus"]) or cfg["actor_rollout_ref"]["rollout"]["name"] == "hf")
+    workers = (cfg["actor_rollout_ref"]["rollout"]["name"] == "hf"
+               and (int((plan.get("rollout") or {}).get("num_replicas") or 1) > 1 or hf_own_process(cfg)))
+    return bool(forks_ranks(cfg, plan["n_gpus"]) or workers)
 
 
 def forks_ranks(cfg: dict, world: int) -> bool:
@@ -94,6 +93,13 @@ def engine_cpus(cfg: dict, world: int) -> tuple:
     return tuple(int(c) for c in (cfg["actor_rollout_ref"]["rollout"].get("cpu_affinity") or ()))
 
 
+def hf_own_process(cfg: dict) -> bool:
+    """One hf engine in a worker process of its own (stages.engines.in_own_process)."""
+    from stages.engines import in_own_process
+
+    return in_own_process(cfg["trainer"].get("staleness"), cfg["actor_rollout_ref"]["rollout"].get("cpu_affinity"))
+
+
 def _local_cpu(cfg: dict) -> bool:
     trainer, orch = cfg["trainer"], cfg["orchestration"]
     return bool(orch.get("fork_server", True)) and orch["mode"] == "local" and str(trainer["device"]) == "cpu"
@@ -103,10 +109,10 @@ def prestart(cfg: dict) -> "Zygote | None":
     """For a launcher (`stagerl train`): start the run's fork server as soon as the config is
     read, before the plan, Prefect and the flow, and offer it to the flow (Zygote.hand_over;
     flows.train adopts it when zygote.wanted). On the config alone: more than one rank on the CPU,
-    or an hf engine. The launcher closes it after the flow (a no-op then: the flow's session
-    closed it)."""
+    or an hf engine in its own process. The launcher closes it after the flow (a no-op then: the
+    flow's session closed it)."""
     trainer = cfg["trainer"]
-    hf_worker = cfg["actor_rollout_ref"]["rollout"]["name"] == "hf"
+    hf_worker = cfg["actor_rollout_ref"]["rollout"]["name"] == "hf" and hf_own_process(cfg)
     world = int(trainer["n_gpus_per_node"]) * int(trainer["nnodes"])
     if not _local_cpu(cfg) or not (forks_ranks(cfg, world) or hf_worker):
         return None
