@@ -69,11 +69,11 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     launcher / hostfile default to the context's trainer.launcher / trainer.hostfile."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    pool = getattr(getattr(ctx, "session", None), "rank_pool", None)
-    if world == 1 and pool is not None and pool.world == 1 and pool.device == str(device):
-        return pool.submit(module, ctx, timeout_s=timeout_s)
+    session = getattr(ctx, "session", None)
+    pool = getattr(session, "rank_pool", None)
     if world == 1:
-        session = getattr(ctx, "session", None)
+        if pool is not None and pool.world == 1 and pool.device == str(device):
+            return pool.submit(module, ctx, timeout_s=timeout_s)
         if session is not None:  # the run's one-rank set-up ahead (flows.train prepare_update)
             session.join_background(IN_PROCESS_PREPARE)
         mod = importlib.import_module(module)
