@@ -623,8 +623,9 @@ def start_rank_pool(cfg: dict, plan: dict, spawner=None):
     With trainer.launcher=deepspeed and a trainer.hostfile the pool's ranks are started once over
     the hostfile's machines by DeepSpeed's launcher (stages.ranks.server's multi-node mode).
     At one rank on the CPU with a fork server (the rollout engine is a forked worker: pinned, or
-    trainer.staleness > 0) the one rank is forked from it too, on this process's cores with the
-    threads it would have trained with (`training_threads`): this process then imports neither
+    trainer.staleness > 0) the one rank is forked from it too, on the cores the engine was not
+    pinned to (`training_cpus`) with the threads it would have trained with (`training_threads`,
+    at most one per core): this process then imports neither
     transformers nor DeepSpeed, and the first update's set-up runs in the rank beside the first
     rollout instead of in a thread here (measured: its wait 1.3 s -> 0.01 s). Else one rank trains
     in this process (None)."""
@@ -641,13 +642,26 @@ def start_rank_pool(cfg: dict, plan: dict, spawner=None):
         return None  # the one rank trains in this process (stages.ranks.launch.run_ranks)
 
     threads, cpus = 1, None
-    if world == 1:  # where this process would have trained: its cores, its training threads
-        threads, cpus = training_threads(cfg, plan), tuple(sorted(os.sched_getaffinity(0)))
+    if world == 1:  # this process's cores but a pinned engine's, at most one training thread each
+        cpus = training_cpus(cfg)
+        threads = min(training_threads(cfg, plan), len(cpus))
     pool = RankPool(world, str(trainer["device"]), hostfile=hostfile, spawner=spawner, threads=threads, cpus=cpus,
                     heartbeat_timeout_s=float(cfg["orchestration"]["rank_heartbeat_timeout_s"]),
                     start_timeout_s=float(cfg["orchestration"]["rank_start_timeout_s"]))
     pool.start(wait=False)  # the ranks start while the first rollout runs; the first job waits
     return pool
+
+
+def training_cpus(cfg: dict) -> tuple:
+    """The cores a one-rank update forked beside the rollout engine trains on: this process's,
+    less those the engine is pinned to (`actor_rollout_ref.rollout.cpu_affinity`) where any are
+    left. The engine and the rank then each have cores of their own, and this process, which
+    only orchestrates (Prefect's task runs, the reward, the stages' tables), runs wherever a core
+    is free instead of taking the rank's: measured at staleness 1 on 2 cores, it took ~0.3 s of
+    CPU a step from the rank's core when it shared it (BENCHMARKS.md)."""
+    ours = set(os.sched_getaffinity(0))
+    engine = {int(c) for c in (cfg["actor_rollout_ref"]["rollout"].get("cpu_affinity") or ())}
+    return tuple(sorted(ours - engine or ours))
 
 
 def prepare_update(submit, run: RunHandle, dataset, total: int) -> None:

@@ -138,7 +138,7 @@ def test_a_rank_pool_forked_from_the_zygote(zygote, tmp_path):
 def test_a_one_rank_pool_forked_beside_a_pinned_engine_runs_on_the_training_cores(tmp_path):
     """A one-rank run whose engine is a forked worker trains in a rank forked from the same server
     (flows.train.start_rank_pool): the server runs on the engine's core, the rank on the cores and
-    with the threads it is given (where the flow's process would have trained)."""
+    with the threads it is given: the flow's cores but a pinned engine's, its training threads."""
     engine, training = sorted(os.sched_getaffinity(0))[:2]
     with pytest.raises(ValueError, match="needs a fork server"):
         RankPool(1, "cpu", tmp_path / "nopool")
@@ -168,6 +168,16 @@ def test_a_one_rank_pool_forked_beside_a_pinned_engine_runs_on_the_training_core
         try:
             share = min(torch.get_num_threads(), split_cores(len(os.sched_getaffinity(0)))[1])  # 1 of 2 cores
             assert (pool.world, pool.threads, pool.cpus) == (1, share, tuple(sorted(os.sched_getaffinity(0))))
+        finally:
+            pool.close()
+        # the engine pinned to a core: the rank trains on the others (this process, which only
+        # orchestrates, keeps them all), one thread per core at most
+        pinned = load_config("tiny-cpu", ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
+                                          f"actor_rollout_ref.rollout.cpu_affinity=[{engine}]"])
+        pool = start_rank_pool(pinned, make_plan(pinned), server)
+        try:
+            rest = tuple(sorted(os.sched_getaffinity(0) - {engine}))
+            assert (pool.cpus, pool.threads) == (rest, min(torch.get_num_threads(), len(rest)))
         finally:
             pool.close()
     finally:

@@ -129,7 +129,7 @@ def rank_placement(cfg, plan: dict) -> str:
     if world == 1:
         if forks_one_rank(cfg, plan):
             return ("one rank forked from the run's fork server beside the rollout engine's worker, on the "
-                    "flow's cores (the flow's process imports neither transformers nor DeepSpeed)")
+                    "flow's cores but a pinned engine's (the flow's process imports neither transformers nor DeepSpeed)")
         return "one rank in the flow's process"
     if trainer.get("launcher") == "deepspeed":
         return (f"a pool of {world} ranks started once by DeepSpeed's launcher over {trainer['hostfile']}"
