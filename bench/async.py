@@ -9,7 +9,7 @@ bench/results/async.json.
 The work: bench/peer_trl.py's (the demo's tiny model, flows.demo.MODEL_OPTIONS, random init, no
 warm start; 60 single-digit addition prompts of 16 tokens x 12 samples = 720 rows per step; GRPO,
 no KL; one optimizer step per RL step over micro-batches of 120 rows; fp32; no validation, no
-checkpoints), 1 rank (trainer.n_gpus_per_node=1: logprob and update run in the flow process), the
+checkpoints), 1 rank (trainer.n_gpus_per_node=1: a rank forked beside the engine), the
 hf engine, and responses of up to 48 tokens (BATCH below: the random-init model samples them to
 the end), where rollout and update take about the same time on one core each (at the peer's 16
 tokens the rollout is ~0.65x the update); then the command-line overrides. Every run is a fresh
@@ -19,9 +19,12 @@ recording when each step is logged) started as
     taskset -c <train-cpus> python bench/peer/stagerl_run.py ... \
         actor_rollout_ref.rollout.cpu_affinity=[<engine-cpus>] trainer.staleness=<s>
 
-so the flow process (the Prefect task runs of both chains, the 1-rank logprob and update, the
-reward) runs on the train cores, and the hf engine's worker process (its own process whenever
-cpu_affinity is set, at s=0 too) pins itself to the engine cores. One Prefect server serves all
+so the hf engine's worker process (its own process whenever cpu_affinity is set, at s=0 too)
+pins itself to the engine cores, and the flow process (the Prefect task runs of both chains, the
+reward, the stages' tables) and the one rank it forks (the update; flows.train.training_cpus: its
+cores but the engine's) run on the train cores. With --flow-anywhere the flow process runs on the
+engine's and the train cores (taskset -c <engine-cpus>,<train-cpus>), as it does when a user pins
+only the engine: the rank still trains on the train cores alone. One Prefect server serves all
 runs, started before them (its start-up is in no figure), unpinned by default (--server-cpus).
 s=0 and s=1 runs are interleaved, --rounds of each, the order alternating per round. Before each
 run the bench waits (up to --max-wait-s) until the 1-minute load average is below --max-load and
@@ -33,7 +36,8 @@ The pinning is checked, not assumed: while a run runs, every 0.25 s the bench re
 records, per process, the lists seen and its CPU seconds; pinning.ok: exactly one process (the
 engine worker) has threads on the engine cores besides the fork server it was forked from (which
 runs there when it forks only the engine's workers: stages.ranks.zygote.engine_cpus), all of their
-threads (as last seen) are there, and every thread of every other process is on the train cores.
+threads (as last seen) are there, every thread of the flow process is on its cores, and every
+thread of every other process (the rank) is on the train cores.
 
 Per run, from the flow's own step log (bench/peer_trl.py's timeline):
   wall_s       begin of step 1 -> end of step N (step k ends when the flow logs it; step 1 begins
@@ -157,27 +161,31 @@ class PinningMonitor:
                     pass
             self.stop.wait(self.period)
 
-    def finish(self, engine_cpus: list[int], train_cpus: list[int]) -> dict:
+    def finish(self, engine_cpus: list[int], train_cpus: list[int], flow_cpus: list[int] | None = None) -> dict:
         """The engine worker: the process with a thread on the engine cores; ok: all its threads
-        (as last seen) there, every thread of every other process on the train cores."""
+        (as last seen) there, every thread of every other process on the train cores, but the
+        flow's own process (the root), which may be on `flow_cpus` (default: the train cores)."""
         self.stop.set()
         self.thread.join()
         engine_set, train_set = cpu_list(engine_cpus), cpu_list(train_cpus)
+        flow_set = cpu_list(sorted(flow_cpus or train_cpus))
         procs = []
         for pid, e in self.seen.items():
             last = sorted({c for _, c in e["threads"].values()})
             names: dict = {}
             for name, cpus in e["threads"].values():
                 names.setdefault(cpus, set()).add(name)
-            procs.append({"pid": pid, "ppid": e["ppid"], "cmd": e["cmd"], "cpu_s": e.get("cpu_s"), "threads": len(e["threads"]),
+            procs.append({"pid": pid, "ppid": e["ppid"], "flow": pid == self.root, "cmd": e["cmd"], "cpu_s": e.get("cpu_s"), "threads": len(e["threads"]),
                           "cpus_allowed_last": last, "cpus_allowed_seen": sorted(e["cpus_seen"]),
                           "thread_names_by_cpus": {c: sorted(n) for c, n in names.items()}})
-        engine = [p for p in procs if engine_set in p["cpus_allowed_last"]]
+        engine = [p for p in procs if engine_set in p["cpus_allowed_last"] and not p["flow"]]
         parents = {p["ppid"] for p in engine}  # the fork server the worker was forked from, if there
         workers = [p for p in engine if p["pid"] not in parents]
         ok = (len(workers) == 1 and all(p["cpus_allowed_last"] == [engine_set] for p in engine)
-              and all(p["cpus_allowed_last"] in ([train_set], []) for p in procs if p not in engine))
-        return {"ok": ok, "engine_cpus": engine_set, "train_cpus": train_set, "engine_worker": workers,
+              and all(p["cpus_allowed_last"] in ([flow_set if p["flow"] else train_set], [])
+                      for p in procs if p not in engine))
+        return {"ok": ok, "engine_cpus": engine_set, "train_cpus": train_set, "flow_cpus": flow_set,
+                "engine_worker": workers,
                 "fork_server_on_engine_cpus": [p for p in engine if p not in workers],
                 "processes": [p for p in procs if p not in engine]}
 
@@ -203,6 +211,13 @@ def busy_neighbour(cpus: list[int]):
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def flow_cpus(args) -> list[int]:
+    """The cores the stagerl process runs on: the train cores, or with --flow-anywhere the
+    engine's too (the run pins its engine to the engine cores and forks its one rank onto the
+    others: flows.train.training_cpus)."""
+    return sorted(set(args.train_cpus) | (set(args.engine_cpus) if args.flow_anywhere else set()))
+
+
 # ---- one run --------------------------------------------------------------------------------
 def run_once(s: int, rnd: int, ctx: dict, neighbour: bool = False) -> dict:
     """One run; with `neighbour`, busy_neighbour on the engine cores while it runs (the probe)."""
@@ -213,7 +228,7 @@ def run_once(s: int, rnd: int, ctx: dict, neighbour: bool = False) -> dict:
     out_json, log = work / f"{name}.json", work / f"{name}.log"
     quiet = wait_for_quiet(args.max_load, args.max_wait_s)
     busy = busy_neighbour(args.engine_cpus) if neighbour else None
-    cmd = ["taskset", "-c", ",".join(map(str, args.train_cpus)), sys.executable, str(PEER / "stagerl_run.py"),
+    cmd = ["taskset", "-c", ",".join(map(str, flow_cpus(args))), sys.executable, str(PEER / "stagerl_run.py"),
            "--out", str(out_json), "--experiment", f"async-{name}", *ctx["overrides"],
            f"actor_rollout_ref.rollout.cpu_affinity=[{','.join(map(str, args.engine_cpus))}]", f"trainer.staleness={s}"]
     env = peer.child_env(len(args.train_cpus), ctx["prefect"])
@@ -235,7 +250,7 @@ def run_once(s: int, rnd: int, ctx: dict, neighbour: bool = False) -> dict:
                 busy.kill()
                 busy.wait()
     t_exit = time.time()
-    pinning = monitor.finish(args.engine_cpus, args.train_cpus)
+    pinning = monitor.finish(args.engine_cpus, args.train_cpus, flow_cpus(args))
     hz = os.sysconf("SC_CLK_TCK")
     ours1, self1 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
     server_s = peer.process_cpu_s(ctx["server_pid"]) - server_cpu
@@ -428,6 +443,10 @@ def main() -> int:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--engine-cpus", type=cpus_arg, default=[0], help="e.g. 0 or 0,1")
     parser.add_argument("--train-cpus", type=cpus_arg, default=[1])
+    parser.add_argument("--flow-anywhere", action="store_true",
+                        help="taskset the stagerl process onto the engine's and the train cores instead of the train "
+                             "cores alone: its orchestration may then use the engine's core; the run keeps the "
+                             "engine and its one rank on their own cores")
     parser.add_argument("--server-cpus", default="any",
                         help="the Prefect server's cores: any (unpinned, the default), train, or a list")
     parser.add_argument("--max-load", type=float, default=0.5, help="wait for a 1-minute load below this")
@@ -485,8 +504,11 @@ def main() -> int:
            "work": {**peer.WORK, "rows_per_step": peer.WORK["prompts"] * peer.WORK["n"], "ranks": 1, "engine": "hf",
                     "model": "flows.demo.MODEL_OPTIONS", "prompt_tokens": inputs["prompt_tokens"]},
            "overrides": overrides[len(overrides) - len(BATCH) - len(args.overrides):],
-           "pinning": {"engine_cpus": args.engine_cpus, "train_cpus": args.train_cpus, "prefect_server_cpus": args.server_cpus,
-                       "how": "taskset -c TRAIN on the stagerl process; actor_rollout_ref.rollout.cpu_affinity=[ENGINE]; "
+           "pinning": {"engine_cpus": args.engine_cpus, "train_cpus": args.train_cpus, "flow_cpus": flow_cpus(args),
+                       "prefect_server_cpus": args.server_cpus,
+                       "how": "taskset -c FLOW on the stagerl process (TRAIN, or ENGINE+TRAIN with --flow-anywhere); "
+                              "actor_rollout_ref.rollout.cpu_affinity=[ENGINE] (the engine worker and the fork server); "
+                              "the one rank forked onto FLOW minus ENGINE (flows.train.training_cpus); "
                               "checked per thread in /proc/<pid>/task/*/status while each run ran"},
            "prefect_startup": "excluded from wall_s (server started once before all runs; flow start-up before "
                               "step 1 begins); included in process_s",
