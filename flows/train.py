@@ -655,10 +655,10 @@ def start_rank_pool(cfg: dict, plan: dict, spawner=None):
 def training_cpus(cfg: dict) -> tuple:
     """The cores a one-rank update forked beside the rollout engine trains on: this process's,
     less those the engine is pinned to (`actor_rollout_ref.rollout.cpu_affinity`) where any are
-    left. The engine and the rank then each have cores of their own, and this process, which
-    only orchestrates (Prefect's task runs, the reward, the stages' tables), runs wherever a core
-    is free instead of taking the rank's: measured at staleness 1 on 2 cores, it took ~0.3 s of
-    CPU a step from the rank's core when it shared it (BENCHMARKS.md)."""
+    left. The engine and the rank then each have cores of their own (before, a run that pinned
+    only its engine forked the rank onto the engine's core too, with a thread per core), and this
+    process, which only orchestrates (Prefect's task runs, the reward, the stages' tables), may use
+    any of them (bench/async.py --flow-anywhere: BENCHMARKS.md)."""
     ours = set(os.sched_getaffinity(0))
     engine = {int(c) for c in (cfg["actor_rollout_ref"]["rollout"].get("cpu_affinity") or ())}
     return tuple(sorted(ours - engine or ours))
