@@ -97,11 +97,7 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
     """The rl-train flow on a local Prefect server (see local_prefect_server); with `fork`, the
     experiment is first made a fork (flows.fork: `overrides` are then the fork's own)."""
     from configs.loader import load_config
-    from configs.local_paths import check_local_paths
-    from configs.memory import check_fits, check_host_fits, estimate_memory
-    from configs.plan import check_trainable
     from configs.schema import ConfigError
-    from configs.suggest import make_plan
     from stages.ranks.zygote import prestart
     from storage.layout import InvalidName, RunLayout
 
@@ -116,7 +112,13 @@ def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: 
             cfg = load_config(whole[0], list(whole[1]) + (
                 [f"trainer.experiment_name={experiment}"] if experiment else []))
             RunLayout.from_config(cfg)  # the project and experiment names (InvalidName)
-            spawner = prestart(cfg)  # the run's fork server imports torch while the rest starts
+            spawner = prestart(cfg)  # the run's fork server imports torch while the rest starts:
+            # before this process imports torch itself (the plan's modules below do, ~1.5 s)
+            from configs.local_paths import check_local_paths
+            from configs.memory import check_fits, check_host_fits, estimate_memory
+            from configs.plan import check_trainable
+            from configs.suggest import make_plan
+
             plan = make_plan(cfg)
             check_trainable(cfg)
             check_local_paths(cfg)
