@@ -111,6 +111,26 @@ def test_a_launcher_hands_its_fork_server_to_the_run(tmp_path, monkeypatch):
     assert launcher.proc.returncode is not None
 
 
+def test_stagerl_train_starts_its_fork_server_before_it_imports_torch(tmp_path):
+    """`stagerl train` starts the run's fork server before this process imports torch (the plan's
+    modules do, ~1.5 s that the server's own imports would otherwise start behind): in a fresh
+    interpreter, prestart is reached with torch not yet imported, and the command then goes on to
+    check the config (here it refuses its missing local paths, exit 2)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys, stages.ranks.zygote as z\n"
+              "z.prestart = lambda cfg: print('torch at prestart:', 'torch' in sys.modules) or None\n"
+              "from flows.cli import main\n"
+              "sys.exit(main(['train', '--config', 'tiny-cpu', '--experiment', 'order']))\n")
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert "torch at prestart: False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.returncode == 2 and "is not a folder" in out.stdout, out.stdout[-2000:]
+
+
 def test_a_rank_pool_forked_from_the_zygote(zygote, tmp_path):
     """torchrun's role played by a forked leader: 2 gloo ranks run jobs; a failing job is
     reported and the pool goes on; a dead rank stops the group and the next job starts a fresh
