@@ -659,9 +659,10 @@ def training_cpus(cfg: dict) -> tuple:
     only its engine forked the rank onto the engine's core too, with a thread per core), and this
     process, which only orchestrates (Prefect's task runs, the reward, the stages' tables), may use
     any of them (bench/async.py --flow-anywhere: BENCHMARKS.md)."""
+    from stages.ranks.zygote import engine_cpus
+
     ours = set(os.sched_getaffinity(0))
-    engine = {int(c) for c in (cfg["actor_rollout_ref"]["rollout"].get("cpu_affinity") or ())}
-    return tuple(sorted(ours - engine or ours))
+    return tuple(sorted(ours - set(engine_cpus(cfg, 1)) or ours))
 
 
 def prepare_update(submit, run: RunHandle, dataset, total: int) -> None:
