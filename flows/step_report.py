@@ -171,8 +171,10 @@ def publish_step(ctx, summaries: dict) -> dict:
         lines.append(f"| {stage} | {status} | {s.get('rows')} | {s.get('seconds') or '-'} |")
     overlap = summaries.get("overlap")  # trainer.staleness: what the pipelined schedule achieved
     if overlap:
-        lines += ["", f"overlap: this step's rollout and reward ran {overlap['seconds']:.3f} s beside step "
-                      f"{step - 1}'s logprob, advantage and update ({overlap['share']:.0%} of them); the rollout "
+        ours = overlap.get("chain") or ["rollout", "reward"]
+        theirs = [st for st in STAGES if st not in ours]
+        lines += ["", f"overlap: this step's {', '.join(ours)} ran {overlap['seconds']:.3f} s beside step "
+                      f"{step - 1}'s {', '.join(theirs)} ({overlap['share']:.0%} of them); the rollout "
                       f"sampled the weights after update {overlap['policy_version']} (staleness {overlap['staleness']})"]
     lines += tool_turn_lines(ctx)
     lines += ["", "| metric | value |", "|---|---|"]

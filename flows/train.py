@@ -418,26 +418,30 @@ def run_steps(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, datase
 def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, dataset, total: int,
                         sinks: MetricSinks, lock: ExperimentLock) -> tuple[list, list, dict]:
     """trainer.staleness = s >= 1: the steps' stage task runs in two chains, in this flow run.
-    The rollout chain runs step j's rollout and then its reward as soon as the weights it samples
-    (after update j-1-s) exist and step j-1's rollout has ended (one engine); the trainer chain
-    runs step k's logprob, advantage and update once step k's rollout (and reward) and step k-1's
-    update have ended. So step k+1's rollout samples while step k trains, and every result is a
-    function of the step numbers, never of which chain was faster: the same seed gives the same
-    weights, and a resume (complete stages are Cached) gives what an uninterrupted run gives.
-    Each step's metrics add timing_s/overlap: the seconds its rollout and reward ran beside step
-    k-1's trainer chain. (steps skipped, steps run, the last step's metrics)"""
+    The rollout chain runs step j's rollout and then its reward (and its logprob and advantage
+    where they need no current policy: `rollout_chain`) as soon as the weights it samples (after
+    update j-1-s) exist and step j-1's rollout has ended (one engine); the trainer chain runs step
+    k's other stages and its update once step k's rollout chain and step k-1's update have ended.
+    So step k+1's rollout samples while step k trains, and every result is a function of the step
+    numbers, never of which chain was faster: the same seed gives the same weights, and a resume
+    (complete stages are Cached) gives what an uninterrupted run gives. Each step's metrics add
+    timing_s/overlap: the seconds its rollout chain ran beside step k-1's trainer chain. (steps
+    skipped, steps run, the last step's metrics)"""
     from flows import step_report
     from flows.step import (check_stage_deployments, retry_options, stage_module, stage_task,
                             task_result)
+    from storage.layout import STAGES
 
     s, trainer = int(cfg["trainer"]["staleness"]), cfg["trainer"]
     remote = check_stage_deployments(cfg)
-    if "logprob" in remote and not getattr(stage_module("logprob"), "runs_on_ranks", lambda p: True)(run.open()[1]):
+    passes = getattr(stage_module("logprob"), "runs_on_ranks", lambda p: True)(run.open()[1])
+    if "logprob" in remote and not passes:
         remote.pop("logprob")
+    chain = rollout_chain(passes)
     run_task = stage_task.with_options(**retry_options(cfg))
     publisher = step_report.background_publisher(run.session)
     restore_threads = training_threads_beside_engine(cfg, run.open()[1])
-    ahead: dict = {}  # step -> {"rollout": future, "reward": future}
+    ahead: dict = {}  # step -> {stage: future} of its rollout chain
     submitted = 0  # the last step whose rollout chain is submitted
     trained: dict = {}  # step -> (start, end) of its trainer chain (wall clock)
     done, ran, last = [], [], {}
@@ -448,10 +452,12 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
             j = submitted + 1
             extra_j = step_extra(dataset, j, total)
             before = ahead.get(j - 1, {}).get("rollout")
-            f_roll = run_task.submit("rollout", run, j, extra_j, remote.get("rollout"),
-                                     wait_for=[before] if before is not None else None)
-            ahead[j] = {"rollout": f_roll,
-                        "reward": run_task.submit("reward", run, j, extra_j, remote.get("reward"), wait_for=[f_roll])}
+            futures = {"rollout": run_task.submit("rollout", run, j, extra_j, remote.get("rollout"),
+                                                  wait_for=[before] if before is not None else None)}
+            for stage in chain[1:]:  # each after the stages of this step it reads (stages' INPUTS)
+                needs = [futures[i] for i in getattr(stage_module(stage), "INPUTS", tuple(futures)) if i in futures]
+                futures[stage] = run_task.submit(stage, run, j, extra_j, remote.get(stage), wait_for=needs)
+            ahead[j] = futures
             submitted = j
 
     def drain() -> None:  # every submitted rollout chain ended (before validation, or a failure is raised)
@@ -476,15 +482,17 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
             futures["rollout"].wait()
             summaries = {"rollout": task_result(futures["rollout"].state)}
             publisher.start()  # the previous step's artifacts, beside this step's training
-            t_train = time.time()
-            summaries["logprob"] = task_result(run_task("logprob", run, step, extra, remote.get("logprob"),
-                                                        return_state=True))
-            futures["reward"].wait()
-            summaries["reward"] = task_result(futures["reward"].state)
-            for stage in ("advantage", "update"):
-                summaries[stage] = task_result(run_task(stage, run, step, extra, remote.get(stage), return_state=True))
+            t_train = None
+            for stage in STAGES[1:]:  # the rollout chain's results in stage order, the rest run here
+                if stage in futures:
+                    futures[stage].wait()
+                    summaries[stage] = task_result(futures[stage].state)
+                else:
+                    t_train = t_train or time.time()
+                    summaries[stage] = task_result(run_task(stage, run, step, extra, remote.get(stage),
+                                                            return_state=True))
             trained[step] = (t_train, time.time())
-            overlap = chain_overlap(summaries, trained.get(step - 1), step, s)
+            overlap = chain_overlap(summaries, trained.get(step - 1), step, s, chain)
             if overlap:
                 summaries["overlap"] = overlap
             publisher.submit(run.context(step), summaries)
@@ -506,6 +514,16 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
     finally:
         restore_threads()
     return done, ran, last
+
+
+def rollout_chain(passes: bool) -> tuple:
+    """The stages of a pipelined step (trainer.staleness >= 1) that run in its rollout chain, as
+    soon as its rollout has ended, beside the previous step's training: the reward, and, where the
+    logprob stage runs no forward pass (`passes` False: the old log-probs come from the update's
+    own forward), the logprob and the advantage too, which then read nothing that the previous
+    update changes. The trainer chain runs the rest (a logprob pass needs the current weights, the
+    advantage its output) and the update."""
+    return ("rollout", "reward") if passes else ("rollout", "logprob", "reward", "advantage")
 
 
 def training_threads_beside_engine(cfg: dict, plan: dict):
@@ -538,21 +556,22 @@ def training_threads(cfg: dict, plan: dict, staleness: int | None = None) -> int
     return ours
 
 
-def chain_overlap(summaries: dict, trained: tuple | None, step: int, staleness: int) -> dict | None:
-    """Seconds step `step`'s rollout and reward (as they ran: summaries' started_at and seconds)
-    spent beside step-1's trainer chain (`trained`: its wall-clock start and end), and that as a
-    share of the chain; None when either did not run now."""
+def chain_overlap(summaries: dict, trained: tuple | None, step: int, staleness: int,
+                  chain: tuple = ("rollout", "reward")) -> dict | None:
+    """Seconds step `step`'s rollout chain (`chain`'s stages as they ran: summaries' started_at
+    and seconds) spent beside step-1's trainer chain (`trained`: its wall-clock start and end),
+    and that as a share of the chain; None when either did not run now."""
     if not trained:
         return None
     start, end = trained
     beside = 0.0
-    for stage in ("rollout", "reward"):
+    for stage in chain:
         s = summaries.get(stage) or {}
         if s.get("started_at") is None or s.get("seconds") is None:
             continue
         a, b = s["started_at"], s["started_at"] + s["seconds"]
         beside += max(0.0, min(b, end) - max(a, start))
-    return {"seconds": round(beside, 3), "share": beside / max(end - start, 1e-9),
+    return {"seconds": round(beside, 3), "share": beside / max(end - start, 1e-9), "chain": list(chain),
             "policy_version": max(0, step - 1 - staleness), "staleness": step - 1 - max(0, step - 1 - staleness)}
 
 

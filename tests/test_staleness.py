@@ -108,7 +108,9 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     # the step report (a Prefect artifact per step) states the overlap achieved
     reports = json.loads(server.cli("artifact", "inspect", "stagerl-a-step", "-o", "json").stdout)
     step3 = [a["data"] for a in reports if "stagerl/a: step 3" in a["data"]]
-    assert len(step3) == 1 and "overlap: this step's rollout and reward ran " in step3[0]
+    # tiny-cpu's KL loss: the logprob stage runs the reference pass, in the trainer chain
+    assert len(step3) == 1 and "overlap: this step's rollout, reward ran " in step3[0]
+    assert "beside step 2's logprob, advantage, update (" in step3[0]
     assert "sampled the weights after update 1 (staleness 1)" in step3[0]
     # inspect: per step the version sampled, the staleness, engine vs trainer and the IS weights
     code = main(["inspect", "a", "--root", str(root), "--step", "3", "--json"])
@@ -160,6 +162,30 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
         assert resumed.returncode == 0, resumed.stdout[-4000:]
         assert all(read_manifest(store, layout, k, s) for k in (1, 2, 3) for s in STAGES)
         assert weights(store, name, 3) == weights(store, "a", 3), fault
+
+
+def test_with_no_logprob_pass_the_rollout_chain_takes_the_logprob_and_advantage(server, assets, tmp_path):  # noqa: F811
+    """No KL loss: the logprob stage runs no pass (the old log-probs are the update's first
+    forward), so step k+1's logprob and advantage read nothing update k changes and run in the
+    rollout chain beside it (flows.train.rollout_chain). A run failing (bad input) at update 1's
+    start has step 2's whole rollout chain committed (the failure waits for it), none of its
+    update; resumed, it ends with the weights of an uninterrupted run."""
+    root = tmp_path / "runs"
+    store = Store.from_config({"root": str(root)})
+    overrides = [*staleness_overrides(assets, root, steps=2), "actor_rollout_ref.actor.use_kl_loss=false"]
+    failed = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "e", *overrides],
+                     fault="update:start:value@1")
+    assert failed.returncode == 1 and "injected bad input at update:start (step 1)" in failed.stdout, failed.stdout[-3000:]
+    layout = RunLayout(PROJECT, "e")
+    assert read_manifest(store, layout, 2, "logprob")["extra"]["passes"] == []
+    assert [bool(read_manifest(store, layout, k, s)) for k in (1, 2) for s in STAGES] == \
+        [True, True, True, True, False, True, True, True, True, False]
+    resumed = stagerl(server, ["resume", "e", "--root", str(root)])
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    straight = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "f", *overrides])
+    assert straight.returncode == 0, straight.stdout[-4000:]
+    assert "timing_s/overlap:" in straight.stdout
+    assert weights(store, "e", 2) == weights(store, "f", 2)
 
 
 # ---- the demo learns at s=1 (issue 35: "It still learns"), at a test's scale ------------------
