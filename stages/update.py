@@ -134,10 +134,11 @@ def commit_later(ctx, work: Path, results: list, commit, launch_s: float, handof
         cache = ctx.get("storage.cache_dir") or ctx.store.cache_dir
         hashes = folder_hashes(work / "actor_hf")
         local = adopt_folder(work / "actor_hf", hashes[1], cache) or Path(cache) / "folders" / hashes[1]
-    ctx.session.defer(STAGE, ctx.step, fingerprint, partial(commit, actor_hashes=hashes),
+    mismatch = engine_mismatch(ctx, results)  # once: the commit's metrics reuse it
+    ctx.session.defer(STAGE, ctx.step, fingerprint, partial(commit, actor_hashes=hashes, mismatch=mismatch),
                       local_weights=local)
     metrics = build_metrics(results, launch_s=launch_s, upload_s=0.0, handoff=handoff)
-    metrics.update(engine_mismatch(ctx, results))
+    metrics.update(mismatch)
     scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {"stage": STAGE, "step": ctx.step, "fingerprint": fingerprint, "row_count": rows_trained(results),
             "files": {},
@@ -173,9 +174,9 @@ def _release_version_dirs(ctx, handoff: dict) -> None:
 
 
 def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, launch_s: float,
-            actor_hashes=None, handoff=None) -> dict:
+            actor_hashes=None, handoff=None, mismatch: dict | None = None) -> dict:
     """Store the weights version (and the ranks' train state when they saved it), then the
-    metrics and the manifest."""
+    metrics and the manifest (`mismatch`: engine_mismatch's metrics, when already computed)."""
     try:
         t2 = time.perf_counter()
         cache = ctx.get("storage.cache_dir") or ctx.store.cache_dir
@@ -204,7 +205,7 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
             metrics["timing/persist_s"] = persist_s
         forward = (forward_values.table(results, ctx.plan["rows_per_step"])  # built once: the file and the mismatch
                    if results[0].get("log_probs") is not None else None)
-        metrics.update(engine_mismatch(ctx, results, forward))
+        metrics.update(engine_mismatch(ctx, results, forward) if mismatch is None else mismatch)
         for line in metrics["update/load_lines"]:
             print(line, flush=True)
         table = microbatch_table(results, logprob_micro_batches(ctx))

@@ -22,6 +22,9 @@ plot` show the mismatch whether or not the correction is on.
 """
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 SAFETY_BOUND = 20.0  # verl: exp(±20) bounds the weights before truncation
@@ -81,11 +84,14 @@ def offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
 
 
 def pad_rows(rows: list, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token lists (one per row, their own lengths) -> (values, mask), right-padded (bs, T)."""
-    width = width or max((len(r) for r in rows), default=0)
-    values = torch.zeros(len(rows), max(width, 1))
-    mask = torch.zeros_like(values)
-    for i, r in enumerate(rows):
-        values[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
-        mask[i, :len(r)] = 1
-    return values, mask
+    """Per-token lists (one per row, their own lengths) -> (values, mask), right-padded (bs, T)
+    float32. One numpy scatter of the flattened values, not a tensor per row (720 rows of 48
+    tokens: ~14 -> ~2 ms, on the update's critical path at trainer.staleness >= 1)."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    width = width or (int(lengths.max()) if len(rows) else 0)
+    if len(rows) and int(lengths.max()) > width:
+        raise ValueError(f"pad_rows: a row of {int(lengths.max())} values is longer than the width {width}")
+    mask = np.arange(max(width, 1))[None, :] < lengths[:, None]
+    values = np.zeros(mask.shape, dtype=np.float32)
+    values[mask] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.float32, count=int(lengths.sum()))
+    return torch.from_numpy(values), torch.from_numpy(mask.astype(np.float32))
