@@ -116,9 +116,14 @@ class Store:
                 _recent_tables.popitem(last=False)
 
     def recent_table(self, key: str, sha256: str):
-        """The table this process wrote at `key` if its bytes had this sha256, else None."""
+        """The table this process wrote at `key` if its bytes had this sha256, else None. A hit
+        keeps it as recently used: a step's rollout, read by each of its later stages, is still
+        here for its update while the next step's stages write theirs (trainer.staleness >= 1)."""
+        path = self.path(key)
         with _recent_lock:
-            entry = _recent_tables.get(self.path(key))
+            entry = _recent_tables.get(path)
+            if entry is not None:
+                _recent_tables.move_to_end(path)
         return entry[1] if entry is not None and entry[0] == sha256 else None
 
     def _forget(self, key: str, recursive: bool = False) -> None:
