@@ -559,18 +559,19 @@ def training_threads(cfg: dict, plan: dict, staleness: int | None = None) -> int
 def chain_overlap(summaries: dict, trained: tuple | None, step: int, staleness: int,
                   chain: tuple = ("rollout", "reward")) -> dict | None:
     """Seconds step `step`'s rollout chain (`chain`'s stages as they ran: summaries' started_at
-    and seconds) spent beside step-1's trainer chain (`trained`: its wall-clock start and end),
-    and that as a share of the chain; None when either did not run now."""
+    and seconds; side by side ones counted once) spent beside step-1's trainer chain (`trained`:
+    its wall-clock start and end), and that as a share of the chain; None when either did not
+    run now."""
     if not trained:
         return None
     start, end = trained
-    beside = 0.0
-    for stage in chain:
-        s = summaries.get(stage) or {}
-        if s.get("started_at") is None or s.get("seconds") is None:
-            continue
-        a, b = s["started_at"], s["started_at"] + s["seconds"]
-        beside += max(0.0, min(b, end) - max(a, start))
+    beside, reached = 0.0, start
+    spans = sorted((s["started_at"], s["started_at"] + s["seconds"]) for s in (summaries.get(n) or {} for n in chain)
+                   if s.get("started_at") is not None and s.get("seconds") is not None)
+    for a, b in spans:  # the union of the spans within [start, end]
+        a, b = max(a, reached), min(b, end)
+        if b > a:
+            beside, reached = beside + b - a, b
     return {"seconds": round(beside, 3), "share": beside / max(end - start, 1e-9), "chain": list(chain),
             "policy_version": max(0, step - 1 - staleness), "staleness": step - 1 - max(0, step - 1 - staleness)}
 

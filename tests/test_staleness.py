@@ -164,6 +164,23 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
         assert weights(store, name, 3) == weights(store, "a", 3), fault
 
 
+def test_the_overlap_counts_the_rollout_chains_time_beside_the_previous_training_once():
+    """timing_s/overlap: the union of the rollout chain's stage spans within the previous step's
+    trainer chain (logprob and reward run side by side: counted once), by hand."""
+    from flows.train import chain_overlap, rollout_chain
+
+    span = lambda a, d: {"started_at": a, "seconds": d}
+    seq = chain_overlap({"rollout": span(0, 2), "reward": span(2, 0.5)}, (1, 10), 3, 1)
+    assert seq["seconds"] == 1.5 and seq["share"] == pytest.approx(1.5 / 9) and seq["policy_version"] == 1
+    chain = rollout_chain(False)
+    assert chain == ("rollout", "logprob", "reward", "advantage") and rollout_chain(True) == ("rollout", "reward")
+    side = chain_overlap({"rollout": span(0, 2), "logprob": span(2, 0.3), "reward": span(2, 0.5),
+                          "advantage": span(2.5, 0.1)}, (1, 10), 3, 1, chain)
+    assert side["seconds"] == pytest.approx(1.6) and side["chain"] == list(chain)  # 1 + 0.5 + 0.1, not 1.9
+    assert chain_overlap({"rollout": span(0, 20)}, (1, 10), 3, 1)["seconds"] == 9.0
+    assert chain_overlap({"rollout": span(0, 2)}, None, 1, 1) is None
+
+
 def test_with_no_logprob_pass_the_rollout_chain_takes_the_logprob_and_advantage(server, assets, tmp_path):  # noqa: F811
     """No KL loss: the logprob stage runs no pass (the old log-probs are the update's first
     forward), so step k+1's logprob and advantage read nothing update k changes and run in the
