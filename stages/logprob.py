@@ -74,6 +74,11 @@ def run(ctx) -> dict:
     if not passes(ctx.plan):  # no pass at all: old log-probs come from the update's forward
         return _write_without_passes(ctx, rollout, world, t0)
     device = str(ctx.get("trainer.device") or "cpu")
+    if ctx.session is not None and any(p.name != "ref" for p in passes(ctx.plan)):
+        # the actor and critic passes read update k-1's weights, which a rank in another process
+        # finds only in the store: its commit may still run in the background (trainer.staleness
+        # >= 1 runs this stage right after that update; at 0 the rollout between them waited)
+        ctx.session.wait_commit("update", ctx.step - 1)
     results = run_ranks("stages.logprob", ctx, world, device=device)
     columns = {name: [None] * n_rows for p in passes(ctx.plan) for name in p.columns(ctx.plan)}
     rank_of = [None] * n_rows
