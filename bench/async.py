@@ -220,10 +220,12 @@ def busy_neighbour(cpus: list[int]):
 
 
 def flow_cpus(args) -> list[int]:
-    """The cores the stagerl process runs on: the train cores, or with --flow-anywhere the
-    engine's too (the run pins its engine to the engine cores and forks its one rank onto the
-    others: flows.train.training_cpus)."""
-    return sorted(set(args.train_cpus) | (set(args.engine_cpus) if args.flow_anywhere else set()))
+    """The cores the stagerl process runs on (--flow-cpus): the train cores, the engine's, or both
+    (the run pins its engine to the engine cores and its one rank to the train cores:
+    actor_rollout_ref.actor.cpu_affinity, flows.train.training_cpus)."""
+    mode = "both" if args.flow_anywhere else args.flow_cpus
+    return sorted({"train": set(args.train_cpus), "engine": set(args.engine_cpus),
+                   "both": set(args.train_cpus) | set(args.engine_cpus)}[mode])
 
 
 # ---- one run --------------------------------------------------------------------------------
@@ -238,7 +240,8 @@ def run_once(s: int, rnd: int, ctx: dict, neighbour: bool = False) -> dict:
     busy = busy_neighbour(args.engine_cpus) if neighbour else None
     cmd = ["taskset", "-c", ",".join(map(str, flow_cpus(args))), sys.executable, str(PEER / "stagerl_run.py"),
            "--out", str(out_json), "--experiment", f"async-{name}", *ctx["overrides"],
-           f"actor_rollout_ref.rollout.cpu_affinity=[{','.join(map(str, args.engine_cpus))}]", f"trainer.staleness={s}"]
+           f"actor_rollout_ref.rollout.cpu_affinity=[{','.join(map(str, args.engine_cpus))}]",
+           f"actor_rollout_ref.actor.cpu_affinity=[{','.join(map(str, args.train_cpus))}]", f"trainer.staleness={s}"]
     env = peer.child_env(len(args.train_cpus), ctx["prefect"])
     server_cpu = peer.process_cpu_s(ctx["server_pid"])
     busy0, ours0 = busy_jiffies(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -497,10 +500,11 @@ def main() -> int:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--engine-cpus", type=cpus_arg, default=[0], help="e.g. 0 or 0,1")
     parser.add_argument("--train-cpus", type=cpus_arg, default=[1])
-    parser.add_argument("--flow-anywhere", action="store_true",
-                        help="taskset the stagerl process onto the engine's and the train cores instead of the train "
-                             "cores alone: its orchestration may then use the engine's core; the run keeps the "
-                             "engine and its one rank on their own cores")
+    parser.add_argument("--flow-cpus", choices=("train", "engine", "both"), default="train",
+                        help="the cores the stagerl process (Prefect's task runs, the reward, the stages' tables) is "
+                             "tasksetted onto: the train cores (the default), the engine's, or both; the run keeps the "
+                             "engine and its one rank on their own cores either way")
+    parser.add_argument("--flow-anywhere", action="store_true", help="the same as --flow-cpus both")
     parser.add_argument("--server-cpus", default="any",
                         help="the Prefect server's cores: any (unpinned, the default), train, or a list")
     parser.add_argument("--max-load", type=float, default=0.5, help="wait for a 1-minute load below this")
@@ -560,9 +564,10 @@ def main() -> int:
            "overrides": overrides[len(overrides) - len(BATCH) - len(args.overrides):],
            "pinning": {"engine_cpus": args.engine_cpus, "train_cpus": args.train_cpus, "flow_cpus": flow_cpus(args),
                        "prefect_server_cpus": args.server_cpus,
-                       "how": "taskset -c FLOW on the stagerl process (TRAIN, or ENGINE+TRAIN with --flow-anywhere); "
+                       "how": "taskset -c FLOW on the stagerl process (--flow-cpus: TRAIN, ENGINE or both); "
                               "actor_rollout_ref.rollout.cpu_affinity=[ENGINE] (the engine worker and the fork server); "
-                              "the one rank forked onto FLOW minus ENGINE (flows.train.training_cpus); "
+                              "the one rank forked onto actor_rollout_ref.actor.cpu_affinity=[TRAIN] "
+                              "(flows.train.training_cpus); "
                               "checked per thread in /proc/<pid>/task/*/status while each run ran"},
            "prefect_startup": "excluded from wall_s (server started once before all runs; flow start-up before "
                               "step 1 begins); included in process_s",

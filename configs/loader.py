@@ -242,6 +242,9 @@ def _check_value(path: str, value: Any, warnings: list[str], raw_value: Any = No
         problem = spec.out_of_bounds(value)
         if problem:
             raise ConfigError(f"{path}={value!r}: {problem} ({spec.doc})")
+        if path.endswith(".cpu_affinity") and not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                      for c in value):
+            raise ConfigError(f"{path}={value!r}: expected a list of CPU core numbers (integers >= 0), e.g. [0]")
         if spec.choices:
             items = value if isinstance(value, list) else [value]
             bad = [v for v in items if v not in spec.choices]

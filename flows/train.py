@@ -678,9 +678,14 @@ def training_cpus(cfg: dict) -> tuple:
     left. The engine and the rank then each have cores of their own (before, a run that pinned
     only its engine forked the rank onto the engine's core too, with a thread per core), and this
     process, which only orchestrates (Prefect's task runs, the reward, the stages' tables), may use
-    any of them (bench/async.py --flow-anywhere: BENCHMARKS.md)."""
+    any of them (bench/async.py --flow-cpus: BENCHMARKS.md). `actor_rollout_ref.actor.cpu_affinity`
+    names the rank's cores instead, any of the machine's: with the engine's, they split it between
+    the two while this process runs beside the engine (bench/async.py --flow-cpus engine)."""
     from stages.ranks.zygote import engine_cpus
 
+    chosen = cfg["actor_rollout_ref"]["actor"].get("cpu_affinity")
+    if chosen:
+        return tuple(sorted({int(c) for c in chosen}))
     ours = set(os.sched_getaffinity(0))
     return tuple(sorted(ours - set(engine_cpus(cfg, 1)) or ours))
 

@@ -84,6 +84,8 @@ def test_ints_become_floats_and_single_logger_becomes_list():
     (["actor_rollout_ref.rollout.val_kwargs.do_sample=true"], "validation gen temperature should be greater than 0"),
     (["actor_rollout_ref.actor.clip_ratio_c=1.0"], "should be greater than 1.0"),
     (["trainer.logger=[console,slack]"], "'slack' is not one of"),
+    (["actor_rollout_ref.actor.cpu_affinity=[one]"], "actor.cpu_affinity=['one']: expected a list of CPU core numbers"),
+    (["actor_rollout_ref.rollout.cpu_affinity=[0,-1]"], "rollout.cpu_affinity=[0, -1]: expected a list of CPU core numbers"),
 ])
 def test_bad_overrides_are_refused_by_name(overrides, needle):
     assert needle in refused(overrides)

@@ -99,6 +99,19 @@ def test_resume_replays_updates_and_equals_the_uninterrupted_run(tmp_path, model
     ref_bytes = stored_weights(reference[-1][0], 3)
     init = (model_dir / "model.safetensors").read_bytes()
     assert ref_bytes != init
+    # the export (its small files from a template, one safetensors write) stores the bytes
+    # save_pretrained and the tokenizer's own save write for those weights
+    from transformers import AutoModelForCausalLM
+
+    from stages.training.engine import write_model_files
+
+    ref_ctx = reference[-1][0]
+    stored = Path(ref_ctx.store.path(ref_ctx.layout.weights(3)))
+    model = AutoModelForCausalLM.from_pretrained(stored, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "saved", state_dict={k: v.detach() for k, v in model.named_parameters()})
+    write_model_files(tmp_path / "saved", "float32", model_dir)
+    saved = {f.name: f.read_bytes() for f in (tmp_path / "saved").iterdir()}
+    assert {f.name: f.read_bytes() for f in stored.iterdir() if not f.name.startswith("_")} == saved, sorted(saved)
 
     with RunSession() as session:
         steps = run(tmp_path / "run", model_dir, ["trainer.save_freq=1"], session=session)

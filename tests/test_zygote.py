@@ -200,6 +200,17 @@ def test_a_one_rank_pool_forked_beside_a_pinned_engine_runs_on_the_training_core
             assert (pool.cpus, pool.threads) == (rest, min(torch.get_num_threads(), len(rest)))
         finally:
             pool.close()
+        # actor.cpu_affinity names the rank's cores (the flow may then run beside the engine)
+        split = load_config("tiny-cpu", ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
+                                         f"actor_rollout_ref.rollout.cpu_affinity=[{engine}]",
+                                         f"actor_rollout_ref.actor.cpu_affinity=[{training}]"])
+        pool = start_rank_pool(split, make_plan(split), server)
+        try:
+            assert (pool.cpus, pool.threads) == ((training,), 1)
+            [result] = pool.submit("tests._pool_jobs", {"message": "split"})
+            assert result["cpus"] == [training]
+        finally:
+            pool.close()
     finally:
         server.close()
 
