@@ -4,7 +4,8 @@ the ideal max(R, U) / (R + U) computed from the s=0 runs' own stage times. Write
 bench/results/async.json.
 
     python bench/async.py [--rounds 3] [--steps 10] [--engine-cpus 0] [--train-cpus 1]
-                          [--server-cpus any|train|LIST] [--max-load 0.5] [key=value ...]
+                          [--flow-cpus train|engine|both] [--server-cpus any|train|LIST]
+                          [--max-load 0.5] [key=value ...]
 
 The work: bench/peer_trl.py's (the demo's tiny model, flows.demo.MODEL_OPTIONS, random init, no
 warm start; 60 single-digit addition prompts of 16 tokens x 12 samples = 720 rows per step; GRPO,
@@ -17,14 +18,15 @@ tokens the rollout is ~0.65x the update); then the command-line overrides. Every
 recording when each step is logged) started as
 
     taskset -c <train-cpus> python bench/peer/stagerl_run.py ... \
-        actor_rollout_ref.rollout.cpu_affinity=[<engine-cpus>] trainer.staleness=<s>
+        actor_rollout_ref.rollout.cpu_affinity=[<engine-cpus>] \
+        actor_rollout_ref.actor.cpu_affinity=[<train-cpus>] trainer.staleness=<s>
 
 so the hf engine's worker process (its own process whenever cpu_affinity is set, at s=0 too)
-pins itself to the engine cores, and the flow process (the Prefect task runs of both chains, the
-reward, the stages' tables) and the one rank it forks (the update; flows.train.training_cpus: its
-cores but the engine's) run on the train cores. With --flow-anywhere the flow process runs on the
-engine's and the train cores (taskset -c <engine-cpus>,<train-cpus>), as it does when a user pins
-only the engine: the rank still trains on the train cores alone. One Prefect server serves all
+pins itself to the engine cores, the one rank the flow forks (the update: flows.train.training_cpus)
+trains on the train cores, and the flow process (the Prefect task runs of both chains, the
+reward, the stages' tables) runs on the train cores too. With --flow-cpus engine it runs on the
+engine's cores instead, with --flow-cpus both (or --flow-anywhere) on both, as it does when a user
+pins only the engine: the rank still trains on the train cores alone. One Prefect server serves all
 runs, started before them (its start-up is in no figure), unpinned by default (--server-cpus).
 s=0 and s=1 runs are interleaved, --rounds of each, the order alternating per round. Before each
 run the bench waits (up to --max-wait-s) until the 1-minute load average is below --max-load and
