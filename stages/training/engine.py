@@ -203,14 +203,6 @@ def export_hf(engine, out_dir: Path, rank: int, tokenizer_from=None) -> None:
     write_model_files(out_dir, "float32", tokenizer_from)
 
 
-def write_weights_file(out_dir: Path, state: dict) -> None:
-    """`state` as out_dir/model.safetensors, the bytes save_pretrained writes for the same
-    tensors (stages.training.handoff.serialize; a folder's checksum is the same either way)."""
-    from stages.training.handoff import WEIGHTS_FILE, serialize
-
-    (Path(out_dir) / WEIGHTS_FILE).write_bytes(serialize(state))
-
-
 def write_model_files(out_dir: Path, dtype: str, tokenizer_from=None) -> None:
     """After save_pretrained: config.json's dtype set to the stored tensors' (whatever the training
     dtype), the tokenizer and the generation config of the folder `tokenizer_from`."""

@@ -102,7 +102,7 @@ class UpdateJob:
                 state = dict(ho.rollout_tensors(role.engine, torch.float32, self.rank))  # a collective
                 if self.rank == 0:  # the fp32 masters, without a copy where the parameters hold them
                     self._copy_template(folder, torch.float32)
-                    update_engine.write_weights_file(folder, state)
+                    (folder / ho.WEIGHTS_FILE).write_bytes(ho.serialize(state))  # save_pretrained's bytes
             else:
                 update_engine.export_hf(role.engine, folder, self.rank,
                                         tokenizer_from=self.init_path if role.exports_tokenizer else None)
