@@ -18,6 +18,12 @@ resident engine). Then, each timed on the same trained weights:
 - persist: the background writer (serialise the served tensors, write them into the weights
   cache hashing as it writes); `timing/persist_s` of a run, off the critical path;
 - train state: one DeepSpeed checkpoint (now every trainer.save_freq steps, not every step);
+- staleness_1: at trainer.staleness >= 1 the engine samples an older version while the update
+  trains, so each update exports its weights (rank 0) and the update stage hashes the folder into
+  the weights cache, on the critical path: before (the train state too at every step, the export
+  through save_pretrained and the tokenizer saved again) against now (UpdateJob.export: the job's
+  template and one safetensors write; the state every save_freq), and whether both folders hash
+  the same;
 - step: the update's training compute of this mini-batch plus the engine's generation of the
   batch's --tokens/2 response tokens (a lower bound of a real step at this shape).
 
@@ -139,6 +145,20 @@ def case(model: str, work: str, rows: int, tokens: int, repeat: int) -> dict:
         state_bytes = folder_bytes(work / "state")
         file_path_s = state_s + best(export_hash_load, repeat)
         export_bytes = folder_bytes(work / "export")
+
+        # trainer.staleness >= 1: the engine samples an older version meanwhile, so every update
+        # exports (the rank) and hashes the folder into the weights cache (the update stage), the
+        # engine loading it later. Before: the train state every step too, and save_pretrained
+        # with the tokenizer saved again; now: the job's export (template + one safetensors write)
+        def export_before():
+            shutil.rmtree(work / "export_before", ignore_errors=True)
+            update_engine.export_hf(job.actor.engine, work / "export_before", 0, tokenizer_from=model)
+        def export_now():
+            shutil.rmtree(work / "now", ignore_errors=True)
+            job.export(work / "now")
+        export_before_s, export_now_s = best(export_before, repeat), best(export_now, repeat)
+        hash_s = best(lambda: folder_hashes(work / "now" / "actor_hf"), repeat)
+        same_folder = folder_hashes(work / "now" / "actor_hf") == folder_hashes(work / "export_before")
     step_s = train_s + generate_s
     return {"parameters": sum(p.numel() for p in served.values()), "weights_bytes": weights_bytes,
             "train_s": round(train_s, 3), "generate_s": round(generate_s, 3), "step_s": round(step_s, 3),
@@ -149,7 +169,12 @@ def case(model: str, work: str, rows: int, tokens: int, repeat: int) -> dict:
             "critical_path_bytes_before": state_bytes + export_bytes,
             "critical_path_weight_and_state_bytes_now": 0, "critical_path_small_file_bytes_now": small_bytes,
             "durable_bytes_per_step_now": weights_bytes + small_bytes,
-            "train_state_bytes_every_save_freq": state_bytes}
+            "train_state_bytes_every_save_freq": state_bytes,
+            "staleness_1": {"export_before_s": round(export_before_s, 3), "export_now_s": round(export_now_s, 3),
+                            "hash_s": round(hash_s, 3), "train_state_s_before_every_step": round(state_s, 3),
+                            "critical_path_before_s": round(state_s + export_before_s + hash_s, 3),
+                            "critical_path_now_s": round(export_now_s + hash_s, 3),
+                            "same_folder_checksum": same_folder}}
 
 
 def main(argv=None) -> dict:

@@ -61,7 +61,9 @@ def state_key(layout, k: int) -> str:
 def state_due(ctx, every_step: bool) -> bool:
     """Whether step ctx.step's update stores its train state: at multiples of trainer.save_freq
     (> 0), at the run's last step, when asked (extra save_train_state), and at every step when
-    `every_step` (no engine is kept for the next step, or its weights are not handed over)."""
+    `every_step` (no engine is kept for the next step). Whether the weights reach the rollout
+    engine by handoff or by the export (trainer.staleness >= 1, LoRA, ranks on other hosts) does
+    not matter: a resume restores the newest stored state and replays the updates after it."""
     save_freq = int(ctx.get("trainer.save_freq") or -1)
     total = int(ctx.extra.get("total_training_steps") or ctx.get("trainer.total_training_steps") or 0)
     return (every_step or (save_freq > 0 and ctx.step % save_freq == 0) or ctx.step >= total

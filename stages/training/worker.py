@@ -102,7 +102,7 @@ class UpdateJob:
                 state = dict(ho.rollout_tensors(role.engine, torch.float32, self.rank))  # a collective
                 if self.rank == 0:  # the fp32 masters, without a copy where the parameters hold them
                     self._copy_template(folder, torch.float32)
-                    (folder / ho.WEIGHTS_FILE).write_bytes(ho.serialize(state))  # save_pretrained's bytes
+                    ho.write_weights(folder / ho.WEIGHTS_FILE, state)  # save_pretrained's bytes
             else:
                 update_engine.export_hf(role.engine, folder, self.rank,
                                         tokenizer_from=self.init_path if role.exports_tokenizer else None)
@@ -460,7 +460,7 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     else:
         job.export(work)
     t4 = time.perf_counter()
-    saved = state_due(ctx, every_step=kept is None or not handoff)
+    saved = state_due(ctx, every_step=kept is None)  # a kept job trains on: a resume replays from the newest state
     if saved:
         job.save_state(work)
     rng = update_engine.rng_state()  # what save_state wrote into rng_rank<r>.pt
