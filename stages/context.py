@@ -148,6 +148,7 @@ class StageContext:
             local = self.session.local_weights(k)
             if local is not None:
                 return Path(local)
+            self.session.wait_commit("update", k)  # a pending commit that hashes them itself
 
         return load_weights(self.store, self.layout, k, cache_dir=self.get("storage.cache_dir"))
 

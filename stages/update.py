@@ -123,13 +123,18 @@ def commit_later(ctx, work: Path, results: list, commit, launch_s: float, handof
     """Hand the commit to the session's background thread and return what the step needs now:
     the new weights are already in the rollout engine (handoff), or the exported actor is hashed
     and moved into the local weights cache first; ctx.actor_weights of step k+1 finds the version
-    folder through the session. The stage's metrics are returned at once. The next rollout waits
+    folder through the session. At trainer.staleness >= 1 the first rollout to sample from this
+    version (step k+1+s) starts after this update, so the export is hashed and moved in the commit
+    instead, off the trainer's critical path (2.1 s a step at Qwen2.5-0.5B's size: bench/handoff.py),
+    and that reader waits for the commit. The stage's metrics are returned at once. The next rollout waits
     for this commit before writing its own manifest, so a committed step k+1 always has a
     committed update k; a crash before the commit leaves update k incomplete and a resume runs it
     again (from the newest stored train state, replaying the updates after it)."""
     fingerprint = stage_fingerprint(ctx)
     if handoff is not None:
         local, hashes = Path(handoff["dir"]), None
+    elif ctx.staleness():  # no rollout reads this version before the commit: hashed there
+        local, hashes = None, None  # (its first reader waits for it: StageContext._load_weights)
     else:
         cache = ctx.get("storage.cache_dir") or ctx.store.cache_dir
         hashes = folder_hashes(work / "actor_hf")
