@@ -128,17 +128,18 @@ def placement_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def check_placement(doc: dict, logprob_on_training: bool = False) -> list[str]:
-    """Rollout on inf, the update's ranks on trn1+trn2, the rest on ctl (the logprob stage on the
-    training hosts when it runs a pass: trainer.staleness recomputes the old log-probs)."""
+def check_placement(doc: dict) -> list[str]:
+    """Rollout on inf, the update's ranks on trn1+trn2, the rest on ctl. The logprob stage would run
+    on the training hosts with a pass (a KL loss's reference, a critic); this test's config, GRPO
+    without KL in one mini-batch, runs none at any trainer.staleness: the old log-probs are the
+    update's own first forward, with the weights such a pass would use."""
     problems = []
     for step, stages in doc["steps"].items():
         for stage, m in stages.items():
             if m is None:
                 problems.append(f"step {step} {stage}: no manifest")
                 continue
-            want = {"rollout": {"inf"}, "update": set(TRAINING),
-                    **({"logprob": set(TRAINING)} if logprob_on_training else {})}.get(stage, {"ctl"})
+            want = {"rollout": {"inf"}, "update": set(TRAINING)}.get(stage, {"ctl"})
             if m["host"] not in want:
                 problems.append(f"step {step} {stage} ran on {m['host']}, expected one of {sorted(want)}")
             if stage == "update" and sorted(m.get("rank_hosts") or []) != sorted(TRAINING):
@@ -260,9 +261,10 @@ ASYNC = ("trainer.staleness=1",)  # verl's one-step-off policy: step k+1 samples
 
 def async_case(cluster, image: Path, steps: int = 3) -> list[str]:
     """A 3-step run at trainer.staleness=1 through the deployments (rollout on inf while the update
-    trains on trn1+trn2; the logprob stage's pass on the training pool), beside a single-host run of
-    the same config on ctl: placement, the rollout of step k+1 committed before the update of step
-    k (the two pools busy at once), and bit-identical final weights."""
+    trains on trn1+trn2; the logprob stage, which runs no pass in this config, and the advantage on
+    ctl in the rollout chain: flows/train.py::rollout_chain), beside a single-host run of the same
+    config on ctl: placement, the rollout of step k+1 committed before the update of step k (the
+    two pools busy at once), and bit-identical final weights."""
     say(f"trainer.staleness=1: a {steps}-step deployment run beside a single-host run of the same config")
     ref = cluster["ctl"].spawn([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu",
                                 "--experiment", "reference-async", *overrides(image, steps), *ASYNC,
@@ -275,7 +277,7 @@ def async_case(cluster, image: Path, steps: int = 3) -> list[str]:
     doc = report(cluster, "reference-async", "cluster-async")
     got = doc["cluster-async"]
     say("placement the staleness-1 run's manifests record:\n" + placement_table(got))
-    problems = check_placement(got, logprob_on_training=True)
+    problems = check_placement(got)
     ahead = [k for k in range(1, steps) if got["steps"][str(k + 1)]["rollout"]["written_at"]
              < got["steps"][str(k)]["update"]["written_at"]]
     say(f"rollouts committed before the previous step's update (the pools overlapping): steps {[k + 1 for k in ahead]}")
