@@ -64,6 +64,7 @@ class UpdateJob:
 
         self.rank, self.world, self.device = rank, world, device
         self.forward_values = None  # {row: (old log-probs, entropy)} while train_step keeps them
+        self.templates: dict = {}  # dtype -> folder of the actor's small files (_copy_template)
         model_dtype = "bf16" if ctx.get(f"{ACTOR}.deepspeed.dtype") == "bf16" else "fp32"
         self.init_path = ctx.reference_weights()
         self.pad_id = load_tokenizer(self.init_path).pad_token_id
@@ -126,10 +127,7 @@ class UpdateJob:
         else:
             named = dict(pairs)
             if self.rank == 0:
-                data = ho.serialize(named)
-                tmp = folder / f".{ho.WEIGHTS_FILE}.tmp"
-                tmp.write_bytes(data)
-                tmp.rename(folder / ho.WEIGHTS_FILE)
+                ho.write_weights(folder / ho.WEIGHTS_FILE, named)
             took = None
         return {"mode": handoff["mode"], "load_s": took, "handoff_s": time.perf_counter() - t0}
 
@@ -149,13 +147,12 @@ class UpdateJob:
         from stages.scratch import scratch_dir
         from stages.training import handoff as ho
 
-        templates = self.__dict__.setdefault("_templates", {})
-        if dtype not in templates:
+        if dtype not in self.templates:
             folder_t = scratch_dir("update", "version-template-")
             ho.write_small_files(folder_t, self.actor.engine.module, self.init_path, dtype)
-            templates[dtype] = folder_t
+            self.templates[dtype] = folder_t
         folder.mkdir(parents=True, exist_ok=True)
-        for f in templates[dtype].iterdir():
+        for f in self.templates[dtype].iterdir():
             if f.is_file():
                 shutil.copy(f, folder / f.name)
 
