@@ -18,7 +18,9 @@ log-probs); the deployment's parameters are
 only the URI, the stage, the step and `extra`. A stage flow that fails says on which host."""
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import os
 import socket
 import time
@@ -276,9 +278,33 @@ def subflow_heartbeats_off():
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
+class _CompletedTaskRunLines(logging.Filter):
+    """Drops Prefect's "Finished in state Completed()" record of a task run (and only it: Cached,
+    Failed, Crashed and retrying task runs keep their lines)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO and record.msg == "Finished in state Completed()")
+
+
+@contextlib.contextmanager
+def completed_stage_lines(cfg: dict):
+    """orchestration.log_completed_stages=false: while the training flow runs its steps, the stage
+    task runs that complete write no "Finished in state Completed()" line (five a step, each sent
+    to the console and to Prefect's API: ~1.5 ms of this process's CPU and an insert by the server
+    apiece). Their states are recorded as before; a cached, failed or retried stage is logged."""
+    if (cfg.get("orchestration") or {}).get("log_completed_stages", True):
+        yield
+        return
+    task_runs, dropped = logging.getLogger("prefect.task_runs"), _CompletedTaskRunLines()
+    task_runs.addFilter(dropped)
+    try:
+        yield
+    finally:
+        task_runs.removeFilter(dropped)
+
+
 def logger():
     try:
         return get_run_logger()
     except Exception:
-        import logging
         return logging.getLogger("stagerl")

@@ -16,8 +16,8 @@ import time
 from prefect import flow
 
 from flows.run_handle import RunHandle
-from flows.step import (check_stage_deployments, is_retryable, logger, rl_step, run_step_subflow,
-                        step_is_complete, subflow_heartbeats_off)
+from flows.step import (check_stage_deployments, completed_stage_lines, is_retryable, logger, rl_step,
+                        run_step_subflow, step_is_complete, subflow_heartbeats_off)
 from configs.changes import changed_keys  # noqa: F401 (tests import it from here)
 from configs.local_paths import check_local_paths
 from configs.memory import check_fits, check_host_fits, estimate_memory
@@ -225,8 +225,9 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
         name_flow_run(store, layout, total, fork)
-        before_first_step(run, cfg, plan, dataset, total, sinks)
-        done, ran, last = run_steps(run, cfg, store, layout, dataset, total, sinks, lock)
+        with completed_stage_lines(cfg):
+            before_first_step(run, cfg, plan, dataset, total, sinks)
+            done, ran, last = run_steps(run, cfg, store, layout, dataset, total, sinks, lock)
         return finish_run(run, cfg, store, layout, total, done, ran, last)
     except BaseException as exc:
         failed_commit = session.commit_error() if isinstance(exc, Exception) else None

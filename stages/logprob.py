@@ -110,9 +110,7 @@ def _write_without_passes(ctx, rollout, world: int, t0: float) -> dict:
     from storage.artifacts import write_table
     from storage.schemas import make_table
 
-    seqlens = [len(p) + len(r) for p, r in zip(rollout.column("prompt_ids").to_pylist(),
-                                               rollout.column("response_ids").to_pylist())]
-    parts = batching.balance_partitions(seqlens, world)
+    parts = batching.balance_partitions(sequence_lengths(rollout), world)
     rank_of = [0] * rollout.num_rows
     for rank, part in enumerate(parts):
         for row in part:
@@ -135,8 +133,7 @@ def check_inputs(ctx, rollout, world: int) -> None:
         raise ValueError(f"{rollout.num_rows} rollout rows are not divisible by {world} logprob ranks")
     for lp_pass in passes(ctx.plan):
         lp_pass.check_folder(ctx)
-    seqlens = [len(p) + len(r) for p, r in zip(rollout.column("prompt_ids").to_pylist(),
-                                               rollout.column("response_ids").to_pylist())]
+    seqlens = sequence_lengths(rollout)
     longest = max(seqlens)
     for lp_pass in passes(ctx.plan):
         _, dynamic, budget = lp_pass.sizes(ctx.plan)
@@ -144,6 +141,14 @@ def check_inputs(ctx, rollout, world: int) -> None:
             raise ValueError(f"{lp_pass.budget_key}={budget} is below the longest sequence: row "
                              f"{seqlens.index(longest)} has {longest} tokens (prompt + response); "
                              f"a sequence is never split across micro-batches")
+
+
+def sequence_lengths(rollout) -> list[int]:
+    """Prompt + response tokens of each rollout row (the lists' lengths, not their tokens)."""
+    import pyarrow.compute as pc
+
+    return pc.add(pc.list_value_length(rollout.column("prompt_ids")),
+                  pc.list_value_length(rollout.column("response_ids"))).to_pylist()
 
 
 # ---- the forward passes, as objects -----------------------------------------------------------

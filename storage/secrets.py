@@ -138,10 +138,15 @@ def _scrub(obj, values):
                 out[key] = _scrub(v, values)
         return out
     if isinstance(obj, (list, tuple)):
+        if all(type(v) in _NUMBERS for v in obj):  # a row permutation, sizes: nothing to scrub
+            return list(obj)
         return [_scrub(v, values) for v in obj]
     if isinstance(obj, str):
         return scrub_text(obj, values)
     return obj
+
+
+_NUMBERS = (int, float, bool, type(None))
 
 
 def _scrub_all(d: dict) -> dict:

@@ -366,6 +366,32 @@ def test_edited_data_file_or_max_prompt_length_gives_new_rows(tmp_path, tokenize
     assert len(list((cache / "datasets").glob("*.arrow"))) == 3
 
 
+def test_tokenizer_saved_again_keeps_the_key(tmp_path, tokenizer, tokenizer_dir):
+    """Every step's weights folder holds the tokenizer loaded from the model folder and saved again
+    (stages.training.engine.export_hf), whose tokenizer_config.json gains the loader's is_local and
+    local_files_only: the same rows, no second preparation at step 2. A key that changes how it
+    tokenises still changes the key."""
+    from transformers import AutoTokenizer
+
+    dataset_cache.clear_memory_cache()
+    path = _arith(tmp_path, n=6)
+    counting = CountingTokenizer(tokenizer)
+    first = load_rl_dataset(_config(path), tokenizer_dir, tokenizer=counting)
+    assert first.cache_info["source"] == "built" and counting.calls == 7
+    saved = tmp_path / "weights_step_1"
+    AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(str(saved))
+    written = json.loads((saved / "tokenizer_config.json").read_text())
+    assert written.get("is_local") is True and "is_local" not in json.loads(
+        (Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+    again = load_rl_dataset(_config(path), saved, tokenizer=counting)
+    assert again.cache_info["source"] == "memory" and again.cache_info["key"] == first.cache_info["key"]
+    assert counting.calls == 7
+    written["model_max_length"] = 7
+    (saved / "tokenizer_config.json").write_text(json.dumps(written))
+    changed = load_rl_dataset(_config(path), saved)
+    assert changed.cache_info["source"] == "built" and changed.cache_info["key"] != first.cache_info["key"]
+
+
 def test_changed_tokenizer_file_changes_the_key(tmp_path, tokenizer, tokenizer_dir):
     path = _arith(tmp_path, n=4)
     first = load_rl_dataset(_config(path, shuffle=False), tokenizer_dir, cache_dir=tmp_path / "cache")

@@ -362,12 +362,20 @@ def test_a_step_logs_a_short_line_and_reports_every_stages_rows(server, referenc
     """The console's line per step holds storage.sinks.CONSOLE_KEYS that the run has (tiny-cpu:
     GRPO with a KL loss, no critic), in that order, each value as the store holds it; the full set
     (actor/lr, ...) is not on the console. The step's Prefect report gives every stage's rows,
-    the update's too (the rows it trained on), and its metrics table."""
+    the update's too (the rows it trained on), and its metrics table. The stage task runs that
+    completed wrote no "Finished in state Completed()" line (orchestration.log_completed_stages
+    false, the default); Prefect holds each as Completed all the same."""
     import re
 
     from storage.sinks import log_line
+    from test_flow_retry import api
 
     root, out = reference
+    assert not re.search(r"Task run '[^']+' - Finished in state Completed\(\)", out), out[-3000:]
+    assert "Flow run" in out and "Task run 'rollout-step-1'" not in out
+    for stage in STAGES:
+        runs = api(server, "/task_runs/filter", {"task_runs": {"name": {"any_": [f"{stage}-step-2"]}}})
+        assert runs and all(r["state"]["type"] == "COMPLETED" for r in runs), (stage, runs[:1])
     store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "f")
     keys = ["critic/score/mean", "critic/rewards/mean", "response_length/mean", "actor/kl_loss",
             "actor/pg_loss", "actor/grad_norm", "timing_s/step"]
@@ -558,16 +566,18 @@ def test_each_step_as_its_own_subflow(server, assets, tmp_path, reference_checks
     runs the stage tasks in the rl-train flow run itself), and the weights equal the default's.
     Credentials given as overrides reach no object in the store, no byte of Prefect's database
     and no console line; `stagerl resume` says where they come from instead. The run logs to
-    TensorBoard and wandb (offline) too: both hold each step's update metrics, and no credential."""
+    TensorBoard and wandb (offline) too: both hold each step's update metrics, and no credential.
+    With orchestration.log_completed_stages=true every stage task run logs its Completed line."""
     root = tmp_path / "runs"
     key, secret = "AKIAFAKEKEY7Q3Z9XW2M", "fakeSecret+9vQx/Zr7TtPpLmNnBbVvCcXx"
     sink_dirs = {"TENSORBOARD_DIR": str(tmp_path / "tb"), "WANDB_DIR": str(tmp_path / "wb")}
     run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "f", *tiny_overrides(assets, root),
-                           "orchestration.step_subflow=true", f"storage.key={key}", f"storage.secret={secret}",
+                           "orchestration.step_subflow=true", "orchestration.log_completed_stages=true",
+                           f"storage.key={key}", f"storage.secret={secret}",
                            "trainer.logger=[console,tensorboard,wandb]"], **sink_dirs)
     assert run.returncode == 0, run.stdout[-4000:]
     assert "Beginning subflow run 'step-2'" in run.stdout
-    assert all(f"Task run '{s}-step-2'" in run.stdout for s in STAGES)
+    assert all(f"Task run '{s}-step-2' - Finished in state Completed()" in run.stdout for s in STAGES)
     store = Store.from_config({"root": str(root)})
     assert folder_manifest(store, RunLayout(PROJECT, "f").weights(2))["checksum"] == reference_checksum
     scalars, wandb = tensorboard_scalars(tmp_path / "tb"), wandb_run(tmp_path / "wb")

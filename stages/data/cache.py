@@ -50,6 +50,11 @@ TOKENIZER_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_token
 TOKENIZER_SUBDIRS = ("additional_chat_templates",)
 # config.json keys AutoTokenizer reads to choose the tokenizer class.
 TOKENIZER_CONFIG_KEYS = ("model_type", "tokenizer_class", "auto_map")
+# tokenizer_config.json keys that say how a tokenizer was loaded, not how it tokenises: a tokenizer
+# loaded from a local folder and saved again writes them (every step's weights folder), the base
+# model's folder lacks them. Left out of the key, so step 2 (the first step sampling a saved
+# folder) reuses the rows step 1 prepared instead of preparing them again.
+TOKENIZER_LOADER_KEYS = ("is_local", "local_files_only")
 TOKENIZER_LIBRARIES = ("transformers", "tokenizers", "jinja2", "sentencepiece", "tiktoken")
 MEMO_ENTRIES = 4  # prepared splits kept per process (train and val of a run, and a spare)
 CHECKSUM_ENTRIES = 1024
@@ -99,6 +104,20 @@ def file_checksum(path) -> str:
     return _stat_memo(os.path.abspath(os.path.expanduser(str(path))), "sha256", _sha256_file)
 
 
+def _tokenizer_config_sha256(path: str) -> str:
+    """sha256 of tokenizer_config.json without TOKENIZER_LOADER_KEYS (canonical JSON); of its bytes
+    where it is not a JSON object."""
+    data = Path(path).read_bytes()
+    try:
+        config = json.loads(data)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        return hashlib.sha256(data).hexdigest()
+    kept = {k: v for k, v in config.items() if k not in TOKENIZER_LOADER_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def _config_fields(path: str) -> dict:
     try:
         config = json.loads(Path(path).read_text())
@@ -146,6 +165,8 @@ def tokenizer_fingerprint(tokenizer_dir) -> dict:
             f"no tokenizer files ({', '.join(TOKENIZER_FILE_PATTERNS)}) in {tokenizer_dir}")
     config = os.path.join(folder, "config.json")
     return {"files": {name: _stat_memo(os.path.join(folder, name), "sha256", _sha256_file)
+                      if name != "tokenizer_config.json" else
+                      _stat_memo(os.path.join(folder, name), "tokenizer_config", _tokenizer_config_sha256)
                       for name in sorted(names)},
             "config": _stat_memo(config, "config", _config_fields) if os.path.isfile(config) else {},
             "libraries": _library_versions()}
