@@ -84,6 +84,32 @@ def test_a_prune_cut_short_leaves_no_committed_folder_with_files_missing(tmp_pat
     assert report.ok and report.folders == 1, report.damaged
 
 
+def test_start_up_without_collections_and_the_steps_with_them():
+    """`stagerl train` starts with Python's automatic collections off (flows.cli.train); after the
+    first step freeze_heap collects what the start-up left (a reference cycle made meanwhile is
+    gone), freezes what is alive and turns them on."""
+    import gc
+    import weakref
+
+    from flows.train import freeze_heap
+
+    class Node:
+        pass
+
+    gc.disable()
+    try:
+        cycle = Node()
+        cycle.self = cycle
+        alive = weakref.ref(cycle)
+        del cycle
+        assert alive() is not None  # no automatic collection while off
+        freeze_heap()
+        assert alive() is None and gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
 def test_retry_policy_retries_storage_errors_only():
     assert is_retryable(StoreError("write s3://b/k failed"))
     assert is_retryable(ConnectionError("reset")) and is_retryable(TimeoutError())

@@ -59,6 +59,9 @@ def main() -> int:
     args = parser.parse_args()
     if not os.environ.get("PREFECT_API_URL"):
         raise SystemExit("PREFECT_API_URL is not set: bench/peer_trl.py starts the Prefect server for all runs")
+    import gc
+
+    gc.disable()  # as `stagerl train` does (flows.cli.train): on again after step 1 (freeze_heap)
     from configs.loader import load_config
     from stages.ranks.zygote import prestart
 

@@ -96,6 +96,10 @@ def drain_prefect_senders(timeout: float = 10.0) -> None:
 def _run_flow(config: str, overrides: list, experiment, force_lock: bool, fork: dict | None = None) -> int:
     """The rl-train flow on a local Prefect server (see local_prefect_server); with `fork`, the
     experiment is first made a fork (flows.fork: `overrides` are then the fork's own)."""
+    import gc
+
+    gc.disable()  # the start-up (torch, transformers, Prefect, DeepSpeed) without automatic
+    #               collections: flows.train.freeze_heap turns them on after the first step
     from configs.loader import load_config
     from configs.schema import ConfigError
     from stages.ranks.zygote import prestart
