@@ -362,12 +362,22 @@ def generate_baseline(ctx, columns: dict, sampling: Sampling, model_dir, tokeniz
     return out, {"engine": engine, **options.timings}
 
 
-def _dataset(ctx, split: str, model_dir):
+def tokenizer_folder(ctx) -> Path:
+    """The folder whose tokenizer files key the prompts and the tokenizer: the initial model's.
+    Every weights folder of the run holds a saved copy of that tokenizer (the export, the warm
+    start), and a step's folder is new each step, so its files were hashed again every step (by
+    their inode: ~3.5 ms of the flow's time on the tiny model, the whole tokenizer.json at real
+    size); the initial folder's are hashed once per process."""
+    return ctx.reference_weights(initial=True)
+
+
+def _dataset(ctx, split: str, model_dir=None):
     """The split's prompts, tokenised once per run: rows are cached by the data files' and the
-    tokenizer files' content (stages.data.cache), in memory and in the local cache dir."""
+    tokenizer files' content (stages.data.cache; the tokenizer's: tokenizer_folder, which
+    `model_dir` holds a copy of), in memory and in the local cache dir."""
     from stages.data.cache import load_rl_dataset
 
-    return load_rl_dataset(dict(ctx.get("data") or {}), model_dir, split,
+    return load_rl_dataset(dict(ctx.get("data") or {}), tokenizer_folder(ctx), split,
                            int(ctx.get("trainer.seed", 0) or 0), cache_dir=local_cache_dir(ctx),
                            tokenizer=None,  # a cache miss loads the tokenizer itself
                            chat_template=ctx.get("actor_rollout_ref.model.custom_chat_template"))
@@ -400,7 +410,8 @@ def _model_and_tokenizer(ctx, training: bool = True):
             else:
                 from stages.data.cache import tokenizer_fingerprint
 
-                key = ("tokenizer", json.dumps(tokenizer_fingerprint(model_dir), sort_keys=True, default=str))
+                key = ("tokenizer", json.dumps(tokenizer_fingerprint(tokenizer_folder(ctx)), sort_keys=True,
+                                               default=str))  # model_dir holds a copy of it
                 loaded["tokenizer"] = ctx.session.memo(key, lambda: load_tokenizer(model_dir))
         return loaded["tokenizer"]
     return model_dir, tokenizer
