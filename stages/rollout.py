@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import time
+from pathlib import Path
 
 from stages.data.baseline_answers import ANSWERS as BASELINE
 from stages.data.baseline_answers import needs_baseline
@@ -384,8 +385,6 @@ def _dataset(ctx, split: str, model_dir=None):
 
 
 def local_cache_dir(ctx):
-    from pathlib import Path
-
     return Path(ctx.get("storage.cache_dir") or ctx.store.cache_dir).expanduser()
 
 
