@@ -87,12 +87,9 @@ def _pid_alive(pid: int) -> bool:
 # ---- schedule -------------------------------------------------------------------------------
 def load_dataset(cfg: dict, store: Store, split: str = "train"):
     """The training prompts (tokenised once: the rollout stage reads the same cached rows)."""
-    from stages.data.cache import load_rl_dataset
+    from stages.data.cache import load_run_dataset
 
-    model = os.path.expanduser(cfg["actor_rollout_ref"]["model"]["path"])
-    cache = os.path.expanduser(cfg["storage"].get("cache_dir") or store.cache_dir)
-    return load_rl_dataset(cfg["data"], model, split, cfg["trainer"]["seed"], cache_dir=cache,
-                           chat_template=cfg["actor_rollout_ref"]["model"].get("custom_chat_template"))
+    return load_run_dataset(cfg, split, os.path.expanduser(cfg["storage"].get("cache_dir") or store.cache_dir))
 
 
 def trainer_validates(cfg: dict) -> bool:

@@ -364,24 +364,20 @@ def generate_baseline(ctx, columns: dict, sampling: Sampling, model_dir, tokeniz
 
 
 def tokenizer_folder(ctx) -> Path:
-    """The folder whose tokenizer files key the prompts and the tokenizer: the initial model's.
-    Every weights folder of the run holds a saved copy of that tokenizer (the export, the warm
-    start), and a step's folder is new each step, so its files were hashed again every step (by
-    their inode: ~3.5 ms of the flow's time on the tiny model, the whole tokenizer.json at real
-    size); the initial folder's are hashed once per process."""
-    return ctx.reference_weights(initial=True)
+    """The folder whose tokenizer files key the prompts and the tokenizer (the initial model's:
+    stages.data.cache.run_tokenizer_folder); every step's model_dir holds a copy of it."""
+    from stages.data.cache import run_tokenizer_folder
+
+    return run_tokenizer_folder(ctx.cfg)
 
 
-def _dataset(ctx, split: str, model_dir=None):
+def _dataset(ctx, split: str):
     """The split's prompts, tokenised once per run: rows are cached by the data files' and the
-    tokenizer files' content (stages.data.cache; the tokenizer's: tokenizer_folder, which
-    `model_dir` holds a copy of), in memory and in the local cache dir."""
-    from stages.data.cache import load_rl_dataset
+    initial tokenizer's content (stages.data.cache.load_run_dataset), in memory and in the local
+    cache dir."""
+    from stages.data.cache import load_run_dataset
 
-    return load_rl_dataset(dict(ctx.get("data") or {}), tokenizer_folder(ctx), split,
-                           int(ctx.get("trainer.seed", 0) or 0), cache_dir=local_cache_dir(ctx),
-                           tokenizer=None,  # a cache miss loads the tokenizer itself
-                           chat_template=ctx.get("actor_rollout_ref.model.custom_chat_template"))
+    return load_run_dataset(ctx.cfg, split, local_cache_dir(ctx))
 
 
 def local_cache_dir(ctx):
@@ -423,7 +419,7 @@ def run(ctx) -> dict:
     t0 = time.perf_counter()
     model_dir, tokenizer = _model_and_tokenizer(ctx)
     t_weights = time.perf_counter()
-    dataset = _dataset(ctx, "train", model_dir)
+    dataset = _dataset(ctx, "train")
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")))
     if ctx.staleness():  # off-policy rows keep the behaviour policy's log-probs (rollout correction)
         sampling = dataclasses.replace(sampling, log_probs=True)
@@ -525,7 +521,7 @@ def generate_validation(ctx) -> list[dict]:
     """Sample the validation set (data.val_files) with rollout.val_kwargs; one dict per row
     (the rollout columns), seeded by (trainer.seed, step, "validation")."""
     model_dir, tokenizer = _model_and_tokenizer(ctx, training=False)
-    dataset = _dataset(ctx, "val", model_dir)
+    dataset = _dataset(ctx, "val")
     prompts = [dataset.rows[i] for i in dataset.epoch_order(0)]
     sampling = Sampling.from_rollout(dict(ctx.get(ROLLOUT) or {}), int(ctx.get(f"{ROLLOUT}.response_length")),
                                      validation=True)

@@ -226,6 +226,24 @@ def load_rl_dataset(data_cfg: dict, tokenizer_dir, split: str = "train", fallbac
     return dataset
 
 
+def run_tokenizer_folder(cfg: dict) -> Path:
+    """The folder whose tokenizer a run's prompts are keyed and tokenised by: the initial model's
+    (actor_rollout_ref.model.path). Every weights folder of the run holds a saved copy of that
+    tokenizer (the export, the warm start) and is new each step, so keying by a step's folder hashed
+    its files again every step (by their inode: ~3.5 ms of the flow's time on the tiny model, the
+    whole tokenizer.json at real size); the initial folder's are hashed once per process."""
+    return Path(os.path.expanduser(str(cfg["actor_rollout_ref"]["model"]["path"])))
+
+
+def load_run_dataset(cfg: dict, split: str, cache_dir) -> RLDataset:
+    """A run's split (the training flow's schedule, the rollout's prompts): load_rl_dataset with
+    the run's data settings, seed, chat template and run_tokenizer_folder."""
+    model = cfg["actor_rollout_ref"]["model"]
+    return load_rl_dataset(dict(cfg.get("data") or {}), run_tokenizer_folder(cfg), split,
+                           int(cfg["trainer"].get("seed") or 0), cache_dir=cache_dir,
+                           chat_template=model.get("custom_chat_template"))
+
+
 def _load_tokenizer(tokenizer_dir, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
