@@ -50,9 +50,13 @@ class MetricSinks:
             raise
 
     def log(self, step: int, metrics: dict) -> None:
+        import logging
+
         from flows.step import logger
 
-        logger().debug(log_line(step, metrics))  # the full set (the console shows a short line)
+        log = logger()
+        if log.isEnabledFor(logging.DEBUG):  # the full set (the console shows a short line), built only if shown
+            log.debug(log_line(step, metrics))
         for sink in self.sinks:
             sink.log(step, metrics)
 

@@ -79,6 +79,13 @@ def acquire_lock(store: Store, layout: RunLayout, force: bool) -> ExperimentLock
     return lock.acquire()
 
 
+def lock_refresh_s(store: Store) -> float:
+    """How often the step loop checks and renews the run's lock: a tenth of the time after which
+    another writer may take it over (storage.lock_stale_seconds), at most every 30 s (a read and
+    a write of the lock object, ~2 ms, each step at small scale otherwise)."""
+    return min(30.0, store.lock_stale_seconds / 10)
+
+
 def _pid_alive(pid: int) -> bool:
     # a lock record with our own pid is from an earlier run in a reused process
     return pid != os.getpid() and process_alive(pid)
@@ -154,6 +161,20 @@ def prune_weights(store: Store, layout: RunLayout, latest: int, cfg: dict) -> li
     for k in doomed:  # a fork that references the folder gets a copy first
         delete_tree(store, layout.weights(k))
     return doomed
+
+
+PRUNE = "prune-weights"
+
+
+def prune_in_background(session, store: Store, layout: RunLayout, latest: int, cfg: dict) -> None:
+    """prune_weights in the session's background thread (after the previous prune has ended), off
+    the step's critical path (a listing and a folder's removal, 2-4 ms a step at small scale). A
+    prune that fails is reported and done again by the next one; finish_run prunes once more
+    after the last commit."""
+    if session is None:
+        prune_weights(store, layout, latest, cfg)
+        return
+    session.start_background(PRUNE, lambda: prune_weights(store, layout, latest, cfg))
 
 
 # ---- logging --------------------------------------------------------------------------------
@@ -344,9 +365,9 @@ def before_first_step(run: RunHandle, cfg: dict, plan: dict, dataset, total: int
     session = run.session
     session.rank_pool = start_rank_pool(cfg, plan, session.spawner)  # in the background too
     if (cfg.get("warmstart") or {}).get("enable"):  # stages.model.warmstart: step 0, once, resumable
-        from flows.step import task_result, retry_options, stage_task
+        from flows.step import retrying_stage_task, task_result
 
-        task_result(stage_task.with_options(**retry_options(cfg))(
+        task_result(retrying_stage_task(cfg)(
             "warmstart", run, 0, step_extra(dataset, 1, total), return_state=True))
     if cfg["trainer"]["val_before_train"] and not _first_done(run, total, dataset):
         _log_validation(sinks, 0, validate(run, 0, step_extra(dataset, 1, total)))
@@ -396,7 +417,7 @@ def run_steps(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, datase
     with subflow_heartbeats_off():  # the steps' subflows (flows.step)
         for step in range(1, total + 1):
             t0 = time.perf_counter()  # timing_s/step: the whole iteration except validation
-            lock.refresh()
+            lock.refresh(lock_refresh_s(store))
             extra = step_extra(dataset, step, total)
             ctx = run.context(step, extra)
             if step_is_complete(ctx):
@@ -410,7 +431,7 @@ def run_steps(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, datase
             if not ran:
                 freeze_heap()
             ran.append(step)
-            prune_weights(store, layout, step, cfg)
+            prune_in_background(run.session, store, layout, step, cfg)
             last["timing_s/step"] = round(time.perf_counter() - t0, 3)
             sinks.log(step, last)
             if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
@@ -431,8 +452,7 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
     timing_s/overlap: the seconds its rollout chain ran beside step k-1's trainer chain. (steps
     skipped, steps run, the last step's metrics)"""
     from flows import step_report
-    from flows.step import (check_stage_deployments, retry_options, stage_module, stage_task,
-                            task_result)
+    from flows.step import check_stage_deployments, retrying_stage_task, stage_module, task_result
     from storage.layout import STAGES
 
     s, trainer = int(cfg["trainer"]["staleness"]), cfg["trainer"]
@@ -441,7 +461,7 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
     if "logprob" in remote and not passes:
         remote.pop("logprob")
     chain = rollout_chain(passes)
-    run_task = stage_task.with_options(**retry_options(cfg))
+    run_task = retrying_stage_task(cfg)
     publisher = step_report.background_publisher(run.session)
     restore_threads = training_threads_beside_engine(cfg, run.open()[1])
     ahead: dict = {}  # step -> {stage: future} of its rollout chain
@@ -471,7 +491,7 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
     try:
         for step in range(1, total + 1):
             t0 = time.perf_counter()
-            lock.refresh()
+            lock.refresh(lock_refresh_s(store))
             extra = step_extra(dataset, step, total)
             ctx = run.context(step, extra)
             if step not in ahead and step_is_complete(ctx):
@@ -505,7 +525,7 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
             if not ran:
                 freeze_heap()
             ran.append(step)
-            prune_weights(store, layout, step - s, cfg)  # rollouts up to step+1+s sample the weights after step-s on
+            prune_in_background(run.session, store, layout, step - s, cfg)  # rollouts up to step+1+s sample the weights after step-s on
             last["timing_s/step"] = round(time.perf_counter() - t0, 3)
             sinks.log(step, last)
             if trainer["test_freq"] > 0 and (step % trainer["test_freq"] == 0 or step == total):
@@ -584,6 +604,7 @@ def finish_run(run: RunHandle, cfg: dict, store: Store, layout: RunLayout, total
     """Wait for the last update's commit (the run is done once it is in the store), prune the
     weights folder kept while it committed; the flow's result."""
     run.session.wait_commits()
+    run.session.join_background(PRUNE)
     if ran:
         prune_weights(store, layout, ran[-1], cfg)
     return {"run": run.uri, "total_steps": total, "steps_skipped": done, "steps_run": ran,

@@ -28,6 +28,7 @@ class ExperimentLock:
         self.key = layout.lock
         self.token = uuid.uuid4().hex
         self.held = False
+        self._written = None  # time.monotonic() of this holder's last write of the lock
 
     def _record(self) -> dict:
         now = time.time()
@@ -66,15 +67,21 @@ class ExperimentLock:
             raise LockedError(f"experiment {self.layout.base}: lost the lock race to host "
                               f"{(again or {}).get('host')} pid {(again or {}).get('pid')}")
         self.held = True
+        self._written = time.monotonic()
         return self
 
-    def refresh(self) -> None:
-        """Renew the lock's time (long runs call this so the lock never looks stale)."""
+    def refresh(self, min_interval_s: float = 0.0) -> None:
+        """Renew the lock's time (long runs call this so the lock never looks stale), after
+        checking that it is still this holder's. Within `min_interval_s` of this holder's last
+        write it does nothing (a loop of short steps reads and writes the lock at most that often)."""
+        if self._written is not None and time.monotonic() - self._written < min_interval_s:
+            return
         current = self.holder()
         if not current or current.get("token") != self.token:
             raise LockedError(f"experiment {self.layout.base}: lock was taken over by host "
                               f"{(current or {}).get('host')} pid {(current or {}).get('pid')}")
         self.store.write_json(self.key, self._record())
+        self._written = time.monotonic()
 
     def release(self) -> None:
         if self.held:

@@ -59,6 +59,40 @@ def test_weights_of_a_step_still_committing_are_not_counted(tmp_path):
     assert prune_weights(store, layout, 2, cfg) == [1] and list_weights(store, layout) == [2]
 
 
+def test_the_step_loop_prunes_in_the_background(tmp_path):
+    """The step loop's prune runs in the session's background thread (prune_in_background), one
+    after the other: the old folder is gone once that thread has ended, and a prune that fails
+    there is reported and done by the next one instead of failing the run."""
+    import threading
+
+    from flows.train import PRUNE, prune_in_background
+    from stages.session import RunSession
+
+    store, layout = Store.from_config({"root": str(tmp_path / "runs")}), RunLayout(PROJECT, "p")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "model.bin").write_bytes(b"weights")
+    for k in (1, 2, 3):
+        save_folder(store, tmp_path / "w", layout.weights(k))
+        store.write_json(layout.manifest(k, "update"), {"stage": "update"})
+    cfg = {"trainer": {"save_freq": -1, "max_actor_ckpt_to_keep": None}}
+    threads, listing = [], store.list
+
+    def failing_once(key):  # the first prune's listing fails, as a storage outage would
+        threads.append(threading.current_thread().name)
+        if len(threads) == 1:
+            raise OSError("store unavailable")
+        return listing(key)
+    store.list = failing_once
+    with RunSession() as session:
+        prune_in_background(session, store, layout, 2, cfg)
+        session.join_background(PRUNE)
+        assert list_weights(store, layout) == [1, 2, 3]  # failed: nothing removed, the run goes on
+        prune_in_background(session, store, layout, 3, cfg)
+        session.join_background(PRUNE)
+        assert list_weights(store, layout) == [3]
+    assert threads[0] == f"background-{PRUNE}" and f"background-{PRUNE}" in threads[2:]  # MainThread: the asserts'
+
+
 def test_a_prune_cut_short_leaves_no_committed_folder_with_files_missing(tmp_path, monkeypatch):
     """A run killed while it prunes old weights (the folder half deleted: here the store's backend
     stops after removing the weights file, as a SIGKILL would) leaves that folder uncommitted, not

@@ -63,3 +63,17 @@ def test_credential_overrides_reach_the_training_flow_as_a_token_only(caplog):
     assert "held by the process that started it" in caplog.text
     with held_secret_overrides([]) as none:
         assert none is None and run_arguments("tiny-cpu", public, None, none)[1] == public
+
+
+def test_one_stage_task_per_retry_policy():
+    """The stage task with a run's retry options is made once (Task.with_options copies and
+    validates the task, which the step loop paid every step): the same policy gives the same
+    task, with orchestration.storage_retries retries doubling from orchestration.retry_delay_s."""
+    from flows.step import retrying_stage_task
+
+    task = retrying_stage_task({"orchestration": {"storage_retries": 3, "retry_delay_s": 0.5}})
+    assert task is retrying_stage_task({"orchestration": {"storage_retries": 3, "retry_delay_s": 0.5}})
+    assert task.retries == 3 and task.retry_delay_seconds == [0.5, 1.0, 2.0]
+    assert task.cache_policy is NO_CACHE and task.fn is stage_task.fn
+    other = retrying_stage_task({"orchestration": {"storage_retries": 1, "retry_delay_s": 2.0}})
+    assert other is not task and other.retries == 1 and other.retry_delay_seconds == [2.0]

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -331,7 +332,14 @@ def test_lock(storage_cfg, layout):
     first = ExperimentLock(store, layout).acquire()
     with pytest.raises(LockedError, match=r"locked by host .* pid %d since .* break the lock with --force-lock " % os.getpid()):
         ExperimentLock(store, layout).acquire()
+    written = store.read_json(layout.lock)["time"]
+    time.sleep(0.01)
+    first.refresh(min_interval_s=3600)  # written this hour: neither read nor written again
+    assert store.read_json(layout.lock)["time"] == written
+    first.refresh()
+    assert store.read_json(layout.lock)["time"] > written
     forced = ExperimentLock(store, layout, force=True).acquire()
+    first.refresh(min_interval_s=3600)  # not looked at: the takeover is found by the next due refresh
     with pytest.raises(LockedError, match="taken over"):
         first.refresh()
     forced.release()
