@@ -96,7 +96,7 @@ def load_dataset(cfg: dict, store: Store, split: str = "train"):
     """The training prompts (tokenised once: the rollout stage reads the same cached rows)."""
     from stages.data.cache import load_run_dataset
 
-    return load_run_dataset(cfg, split, os.path.expanduser(cfg["storage"].get("cache_dir") or store.cache_dir))
+    return load_run_dataset(cfg, split, store)
 
 
 def trainer_validates(cfg: dict) -> bool:
@@ -171,9 +171,6 @@ def prune_in_background(session, store: Store, layout: RunLayout, latest: int, c
     the step's critical path (a listing and a folder's removal, 2-4 ms a step at small scale). A
     prune that fails is reported and done again by the next one; finish_run prunes once more
     after the last commit."""
-    if session is None:
-        prune_weights(store, layout, latest, cfg)
-        return
     session.start_background(PRUNE, lambda: prune_weights(store, layout, latest, cfg))
 
 

@@ -377,11 +377,7 @@ def _dataset(ctx, split: str):
     cache dir."""
     from stages.data.cache import load_run_dataset
 
-    return load_run_dataset(ctx.cfg, split, local_cache_dir(ctx))
-
-
-def local_cache_dir(ctx):
-    return Path(ctx.get("storage.cache_dir") or ctx.store.cache_dir).expanduser()
+    return load_run_dataset(ctx.cfg, split, ctx.store)
 
 
 def _model_and_tokenizer(ctx, training: bool = True):
