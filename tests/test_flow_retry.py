@@ -9,10 +9,12 @@ verifier goes down after scoring step 1. Step 2's reward stage fails, so the flo
 user restarts the verifier and retries the flow run. Neither the reward file nor the config
 changes, so step 1 and step 2's complete stages stay complete (a changed reward *file* would
 change the reward stage's fingerprint and rightly re-run step 1's reward and everything after)."""
+import contextlib
 import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -346,10 +348,19 @@ def test_sigkilled_stagerl_train_takes_its_prefect_server_with_it(assets, tmp_pa
             pass
         if server_pid and alive(server_pid):  # only when the test failed
             os.kill(server_pid, signal.SIGKILL)
-    resumed = subprocess.run([*cli, "resume", "k", "--root", str(root)], cwd=REPO, env=env,
+    # the resumed run's server writes task runs' states only in batches, here never on its own
+    # clock (a flush every 600 s): what the stop writes is all the API will ever have
+    resumed = subprocess.run([*cli, "resume", "k", "--root", str(root)], cwd=REPO,
+                             env={**env, "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "600"},
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "Error logging to API" not in resumed.stdout + resumed.stderr
     assert prefect_servers(home) == []
     assert not list(home.glob("stagerl-server-*"))  # records and logs of both runs removed
     assert list_weights(store, layout) == [1]
+    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:
+        states = db.execute("SELECT task_run.name, task_run.state_name FROM task_run JOIN flow_run ON "
+                            "task_run.flow_run_id = flow_run.id WHERE flow_run.state_name = 'Completed'").fetchall()
+    assert sorted(name for name, _ in states) == sorted(f"{s}-step-1" for s in STAGES), states
+    assert dict(states)["rollout-step-1"] == "Cached"  # complete before the SIGKILL
+    assert {state for _, state in states} <= {"Cached", "Completed"}, states
