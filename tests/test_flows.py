@@ -723,6 +723,10 @@ def test_docker_compose_config_is_valid():
                          (isinstance(p, dict) and p.get("host_ip") == "127.0.0.1") for p in ports)
     assert "change-me-postgres" in services["prefect-server"]["environment"][
         "PREFECT_API_DATABASE_CONNECTION_URL"]  # credentials come from the env file
+    from flows.prefect_server import SERVER_SETTINGS  # the users' server records task runs as stagerl's own
+
+    for key, value in SERVER_SETTINGS.items():
+        assert services["prefect-server"]["environment"][f"PREFECT_SERVER_SERVICES_{key}"] == value, key
     assert subprocess.run(["docker-compose", "--env-file", ".env.example", "config", "-q"],
                           cwd=REPO, timeout=120).returncode == 0
 
