@@ -2,7 +2,9 @@
 tmpfs, then filled): the server answers HTTP 500 (SQLite cannot write) and the run ends with a
 message that names the full disk and the resume command, not a bare "500 Internal Server Error";
 once there is room, that command completes the run."""
+import contextlib
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -35,9 +37,10 @@ def small_disk(tmp_path):
 
 
 
-def run_then_fill_disk(cmd, env, root, experiment, stage, small_disk):
+def run_then_fill_disk(cmd, env, root, experiment, stage, small_disk, before_fill=None):
     """Start `cmd` (a training run of `experiment`), wait until step 1's `stage` is committed, then
-    fill the disk (after the advantage: while the update trains). (process, store, layout)."""
+    (after `before_fill()`, when given) fill the disk (after the advantage: while the update
+    trains). (process, store, layout)."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, experiment)
@@ -45,8 +48,21 @@ def run_then_fill_disk(cmd, env, root, experiment, stage, small_disk):
     while read_manifest(store, layout, 1, stage) is None:
         assert proc.poll() is None and time.time() < deadline, f"step 1's {stage} did not finish"
         time.sleep(0.02)
+    if before_fill is not None:
+        before_fill()
     fill_disk(small_disk)
     return proc, store, layout
+
+
+def truncate_wal(db: Path) -> None:
+    """Checkpoint the server's SQLite database and truncate its write-ahead log to nothing: a WAL
+    file keeps its size for reuse, so without this the run's few writes after the disk is full
+    may fit in space the file already has (the server records task runs in batches: it writes
+    little) and never meet the full disk."""
+    with contextlib.closing(sqlite3.connect(db, timeout=60)) as con:
+        busy, _, _ = con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    assert busy == 0, f"{db}: the checkpoint could not truncate the write-ahead log"
+    assert db.with_name(db.name + "-wal").stat().st_size == 0
 
 
 def fill_disk(small_disk) -> None:
@@ -72,7 +88,8 @@ def test_a_full_disk_under_the_prefect_server_is_named(small_disk, tmp_path):
     env.update(PREFECT_HOME=str(small_disk / "prefect"), PYTHONUNBUFFERED="1")
     cli = [sys.executable, "-m", "flows.cli"]
     args = ["train", "--config", "tiny-cpu", "--experiment", "d", *tiny_overrides(assets, root, steps=4)]
-    proc, store, layout = run_then_fill_disk([*cli, *args], env, root, "d", "rollout", small_disk)
+    proc, store, layout = run_then_fill_disk([*cli, *args], env, root, "d", "rollout", small_disk,
+                                             before_fill=lambda: truncate_wal(small_disk / "prefect" / "prefect.db"))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-4000:]
     assert ("error: the local Prefect server (http://127.0.0.1:" in out
