@@ -136,7 +136,7 @@ def commit_later(ctx, work: Path, results: list, commit, launch_s: float, handof
     elif ctx.staleness():  # no rollout reads this version before the commit: hashed there
         local, hashes = None, None  # (its first reader waits for it: StageContext._load_weights)
     else:
-        cache = ctx.get("storage.cache_dir") or ctx.store.cache_dir
+        cache = ctx.store.cache_dir
         hashes = folder_hashes(work / "actor_hf")
         local = adopt_folder(work / "actor_hf", hashes[1], cache) or Path(cache) / "folders" / hashes[1]
     mismatch = engine_mismatch(ctx, results)  # once: the commit's metrics reuse it
@@ -155,7 +155,7 @@ def _persist_version(ctx, handoff: dict) -> tuple[Path, tuple]:
     own tensors (memory) or rank 0's file (folder). Returns (cached folder, hashes)."""
     from stages.training import handoff as ho
 
-    cache = ctx.get("storage.cache_dir") or ctx.store.cache_dir
+    cache = ctx.store.cache_dir
     weights = None
     if handoff["mode"] == "memory":
         engine = ctx.session.engines().local[1]
@@ -184,7 +184,7 @@ def _commit(ctx, work: Path, results: list, roles: list, world: int, t0: float, 
     metrics and the manifest (`mismatch`: engine_mismatch's metrics, when already computed)."""
     try:
         t2 = time.perf_counter()
-        cache = ctx.get("storage.cache_dir") or ctx.store.cache_dir
+        cache = ctx.store.cache_dir
         persist_s = None
         if handoff is not None:
             tp = time.perf_counter()

@@ -237,12 +237,11 @@ def run_tokenizer_folder(cfg: dict) -> Path:
 
 def load_run_dataset(cfg: dict, split: str, store) -> RLDataset:
     """A run's split (the training flow's schedule, the rollout's prompts): load_rl_dataset with
-    the run's data settings, seed, chat template and run_tokenizer_folder, cached in the local
-    cache dir (storage.cache_dir, else the store's)."""
+    the run's data settings, seed, chat template and run_tokenizer_folder, cached in the store's
+    local cache dir (storage.cache_dir, else ~/.cache/stagerl: Store resolves it)."""
     model = cfg["actor_rollout_ref"]["model"]
-    cache_dir = Path((cfg.get("storage") or {}).get("cache_dir") or store.cache_dir).expanduser()
     return load_rl_dataset(dict(cfg.get("data") or {}), run_tokenizer_folder(cfg), split,
-                           int(cfg["trainer"].get("seed") or 0), cache_dir=cache_dir,
+                           int(cfg["trainer"].get("seed") or 0), cache_dir=store.cache_dir,
                            chat_template=model.get("custom_chat_template"))
 
 
