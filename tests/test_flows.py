@@ -6,6 +6,7 @@ and resumed (tiny overrides, 1 rank). Multi-pool mode and the retry policy use t
 modules in tests/_toy_stages (STAGERL_STAGES): they test orchestration, not the stages."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -425,7 +426,6 @@ def test_a_step_logs_a_short_line_and_reports_every_stages_rows(server, referenc
     the update's too (the rows it trained on), and its metrics table. The stage task runs that
     completed wrote no "Finished in state Completed()" line (orchestration.log_completed_stages
     false, the default); Prefect holds each as Completed all the same."""
-    import re
 
     from storage.sinks import log_line
     from test_flow_retry import api
@@ -557,9 +557,12 @@ def test_kills_with_sparse_train_states_resume_by_replay_bit_for_bit(server, ass
     through the same replay; left out for time, ~35 s: a rollout kill's resume is
     test_sigkill_inside_each_stage_then_resume_equals_uninterrupted's.)"""
     root = tmp_path / "runs"
-    base = tiny_overrides(assets, root, steps=3) + ["trainer.save_freq=5"]
+    base = tiny_overrides(assets, root, steps=3) + ["trainer.save_freq=5", "orchestration.step_report_interval_s=3600"]
     ref = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "ref", *base])
     assert ref.returncode == 0, ref.stdout[-4000:]
+    # step reports rate-limited to one an hour: the first step's and the last's only
+    reports = json.loads(server.cli("artifact", "inspect", "stagerl-ref-step", "-o", "json").stdout)
+    assert sorted(re.search(r"ref: step (\d+)\n", a["data"]).group(1) for a in reports) == ["1", "3"]
     store = Store.from_config({"root": str(root)})
     checksum = lambda e: folder_manifest(store, RunLayout(PROJECT, e).weights(3))["checksum"]
     assert sorted(store.list(RunLayout(PROJECT, "ref").train_state)) == ["step_000003"]

@@ -4,6 +4,7 @@ against a real Prefect server, the tiny model, 1 rank, the hf engine in its own 
 policy_version column, two runs with one seed equal, a SIGKILL while two steps overlap then a
 resume equal to the uninterrupted run, and verl's timing-dependent keys refused by name."""
 import json
+import re
 import signal
 
 import pytest
@@ -89,7 +90,8 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     rollout (step 2's training beside it), each resumed, end with the first run's weights bit for bit."""
     root = tmp_path / "runs"
     store = Store.from_config({"root": str(root)})
-    run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "a", *staleness_overrides(assets, root)])
+    run = stagerl(server, ["train", "--config", "tiny-cpu", "--experiment", "a", *staleness_overrides(assets, root),
+                           "orchestration.step_report_interval_s=3600"])
     assert run.returncode == 0, run.stdout[-4000:]
     layout = RunLayout(PROJECT, "a")
     versions = [sorted(set(read_file(store, layout, k, "rollout").column("policy_version").to_pylist()))
@@ -107,6 +109,8 @@ def test_staleness_one_runs_pipelined_deterministic_and_resumes_bit_for_bit(serv
     assert "timing_s/overlap:" in run.stdout, run.stdout[-3000:]  # step 2+: its rollout beside the previous update
     # the step report (a Prefect artifact per step) states the overlap achieved
     reports = json.loads(server.cli("artifact", "inspect", "stagerl-a-step", "-o", "json").stdout)
+    # orchestration.step_report_interval_s=3600: the first step's report and the last's, not step 2's
+    assert sorted(re.search(r"stagerl/a: step (\d+)\n", a["data"]).group(1) for a in reports) == ["1", "3"]
     step3 = [a["data"] for a in reports if "stagerl/a: step 3" in a["data"]]
     # tiny-cpu's KL loss: the logprob stage runs the reference pass, in the trainer chain
     assert len(step3) == 1 and "overlap: this step's rollout, reward ran " in step3[0]
