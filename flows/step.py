@@ -269,7 +269,7 @@ def rl_step(run: RunHandle, step: int, extra: dict | None = None, publish: bool 
             publisher.start()  # the previous step's artifacts, after the rollout: not beside its
             #                    generate, which Python and CPU work beside it slow the most
     if publish and publisher is not None:
-        publisher.submit(run.context(step), summaries, last=step == (extra or {}).get("total_training_steps"))
+        publisher.submit(run.context(step), summaries)
     elif publish:
         step_report.publish_step(run.context(step), summaries)
     return summaries

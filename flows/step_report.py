@@ -19,47 +19,41 @@ class _BackgroundPublisher:
     publishes what is pending and joins; the training flow calls it before it ends. A failed publish is logged as a warning: artifacts are a view,
     the store holds the data.
 
-    Reports are rate-limited (orchestration.step_report_interval_s): a step is published when it
-    is the session's first, the run's last, or ends at least that many seconds after the last
-    published one. Each report costs two API calls, the server's inserts and ~5 ms of this
-    process's CPU beside the next step's stages (measured at the peer bench's ~1 s steps: ~8 ms of
-    its time outside generate and train); a step of minutes is published every time."""
+    Reports are rate-limited (orchestration.step_report_interval_s): the thread publishes the
+    pending step when it is the session's first or starts at least that many seconds after the
+    last one published; a pending step not yet due is replaced by the next one submitted, and
+    wait() publishes what is pending whatever the time (the run's last step). Each report costs
+    two API calls, the server's inserts and ~5 ms of this process's CPU beside the next step's
+    stages (measured at the peer bench's ~1 s steps: ~8 ms of its time outside generate and
+    train); a step of minutes is published every time."""
 
     def __init__(self):
         self.thread = None
         self.pending = None
-        self.last_published = None  # time.monotonic() of the last step submitted for publishing
+        self.last_published = None  # time.monotonic() when the last report's thread started
 
-    def due(self, ctx, last: bool) -> bool:
-        """Whether this step's report is published (see the class docstring)."""
-        import time
-
-        interval = float(ctx.get("orchestration.step_report_interval_s") or 0.0)
-        now = time.monotonic()
-        if last or self.last_published is None or interval <= 0 or now - self.last_published >= interval:
-            self.last_published = now
-            return True
-        return False
-
-    def submit(self, ctx, summaries: dict, last: bool = False) -> None:
-        """Record the step for publishing when it is due (last: the run's last step, always)."""
+    def submit(self, ctx, summaries: dict) -> None:
+        """Record the step for publishing (replacing a pending one that was not due)."""
         import contextvars
 
-        if not self.due(ctx, last):
-            return
-        self.wait()
+        self.join()
         self.pending = (contextvars.copy_context(), ctx, summaries)
 
-    def start(self) -> None:
-        """Start publishing what submit() recorded, in a thread."""
+    def start(self, force: bool = False) -> None:
+        """Start publishing what submit() recorded, in a thread, if it is due (or force)."""
         import threading
+        import time
 
-        if self.pending is None:
+        if self.pending is None or self.thread is not None:
             return
-        context, *args = self.pending
-        self.pending = None
-        self.thread = threading.Thread(target=context.run, args=(self._publish, *args),
-                                       name=f"publish-step-{args[0].step}", daemon=True)
+        context, ctx, summaries = self.pending
+        interval = float(ctx.get("orchestration.step_report_interval_s") or 0.0)
+        now = time.monotonic()
+        if not (force or self.last_published is None or now - self.last_published >= interval):
+            return
+        self.pending, self.last_published = None, now
+        self.thread = threading.Thread(target=context.run, args=(self._publish, ctx, summaries),
+                                       name=f"publish-step-{ctx.step}", daemon=True)
         self.thread.start()
 
     @staticmethod
@@ -77,11 +71,17 @@ class _BackgroundPublisher:
                 log = logging.getLogger("stagerl")
             log.warning(f"step {ctx.step}: Prefect artifacts not published ({type(exc).__name__}: {exc})")
 
-    def wait(self, timeout_s: float = 120.0) -> None:
-        self.start()
+    def join(self, timeout_s: float = 120.0) -> None:
+        """Wait for a publishing thread still running."""
         if self.thread is not None:
             self.thread.join(timeout_s)
             self.thread = None
+
+    def wait(self, timeout_s: float = 120.0) -> None:
+        """Publish what is pending, due or not, and wait for it."""
+        self.join(timeout_s)
+        self.start(force=True)
+        self.join(timeout_s)
 
 
 def background_publisher(session) -> _BackgroundPublisher:

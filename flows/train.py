@@ -515,7 +515,7 @@ def run_steps_pipelined(run: RunHandle, cfg: dict, store: Store, layout: RunLayo
             overlap = chain_overlap(summaries, trained.get(step - 1), step, s, chain)
             if overlap:
                 summaries["overlap"] = overlap
-            publisher.submit(run.context(step), summaries, last=step == total)
+            publisher.submit(run.context(step), summaries)
             last = step_metrics(ctx, summaries)
             if overlap:
                 last["timing_s/overlap"] = overlap["seconds"]
