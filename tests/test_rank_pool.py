@@ -4,6 +4,7 @@ Real torchrun jobs with 2 gloo ranks: each pool start costs ~10 s, each per-call
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from _pool_steps import run_steps
 from stages.ranks.pool import RankPool, launcher_ranks
+from stages.ranks.procs import Doorbell
 from stages.model.tiny import save_tiny_model
 from flows.step import is_retryable
 from storage.artifacts import read_file, read_manifest, read_table
@@ -44,6 +46,8 @@ def test_jobs_failure_dead_rank_restart_and_close(tmp_path, monkeypatch):
         assert first[0]["ctx"] == {"message": "hi"}
         pids = [r["pid"] for r in first]
         assert sorted(pids) == sorted(pool.rank_pids()) and os.getpid() not in pids
+        # the doorbells the client and the ranks ring (Doorbell): named pipes in the work dir
+        assert all(stat.S_ISFIFO((tmp_path / "pool" / name).stat().st_mode) for name in ("wake_0", "wake_1", "done"))
         # a failing job: the rank's traceback, and the same processes run the next job
         with pytest.raises(RuntimeError) as err:
             pool.submit("tests._pool_jobs", {"message": "bad row 7", "fail_on_rank": 1})
@@ -70,6 +74,31 @@ def test_jobs_failure_dead_rank_restart_and_close(tmp_path, monkeypatch):
     for pid in pids + new_pids + [launcher, launcher2]:
         assert gone(pid), f"process {pid} is still running after close()"
     assert not pool.alive()
+
+
+def test_a_doorbell_rung_before_its_wait_is_kept_and_one_nobody_waits_on_costs_nothing(tmp_path):
+    path = tmp_path / "bell"
+    Doorbell.ring(path)  # nothing there: no error, nothing made
+    assert not path.exists()
+    bell = Doorbell(path)
+    assert stat.S_ISFIFO(path.stat().st_mode)
+    assert bell.wait(0.01) is False  # not rung: the timeout
+    Doorbell.ring(path)
+    Doorbell.ring(path)  # rung twice before the wait (a result written before the client waits)
+    assert bell.wait(60) is True
+    assert bell.wait(0.01) is False  # drained: the two rings ended one wait
+    ringer = threading.Timer(0.05, Doorbell.ring, args=(path,))
+    ringer.start()  # rung while waiting
+    assert bell.wait(60) is True
+    ringer.join()
+    bell.close()
+    Doorbell.ring(path)  # a pipe nobody waits on (ENXIO): no error, no block
+    plain = tmp_path / "file"
+    plain.write_text("x")
+    not_a_pipe = Doorbell(plain)  # the name is taken by a file: it polls, and a ring writes nothing
+    assert not_a_pipe.fd is None and not_a_pipe.wait(0.01) is False
+    Doorbell.ring(plain)
+    assert plain.read_text() == "x"
 
 
 def test_a_rank_killed_during_a_job_is_named(tmp_path):

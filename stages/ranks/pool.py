@@ -10,9 +10,11 @@ in a rank forked beside it instead of in the flow's process (flows.train.start_r
         ... steps ...                                   # close() (or the with-exit) stops it
     results = pool.submit("stages.logprob", ctx)        # [rank 0's return value, rank 1's, ...]
 
-- Jobs are files in the pool's work_dir (see stages.ranks.server): submit writes job_<id>.json,
-  waits for result_<id>_<rank>.json / error_<id>_<rank>.txt of every rank, relays the ranks'
-  new stdout lines, and removes the job's files. Submits are serialised (a thread lock plus a
+- Jobs are files in the pool's work_dir (see stages.ranks.server): submit writes job_<id>.json
+  and rings each rank's doorbell (stages.ranks.procs.Doorbell), waits for
+  result_<id>_<rank>.json / error_<id>_<rank>.txt of every rank (woken by the `done` doorbell the
+  ranks ring, at most WAIT_S between looks), relays the ranks' new stdout lines, and removes the
+  job's files. Submits are serialised (a thread lock plus a
   file lock on work_dir/submit.lock, so another process attached by work dir may submit too).
 - A failing job raises RuntimeError with the failing rank's traceback; the pool goes on when
   every rank reported. If a rank is stuck (its peer failed before a collective: the others
@@ -43,9 +45,10 @@ import time
 from pathlib import Path
 
 from stages.scratch import scratch_dir
-from stages.ranks.procs import REPO_ROOT, context_payload, dead_rank, free_port, job_error, kill_group
+from stages.ranks.procs import REPO_ROOT, Doorbell, context_payload, dead_rank, free_port, job_error, kill_group
 
 ERROR_TAIL = 4000
+WAIT_S = 0.05  # the client looks at a job's files (and its ranks' health) at least this often
 
 
 class RankPool:
@@ -69,6 +72,7 @@ class RankPool:
         self.starts = 0  # how many times torchrun was started (restarts after a dead rank count)
         self._lock = threading.Lock()
         self._out_offset = 0
+        self._done: Doorbell | None = None  # woken by the ranks when they finish a job
 
     # ---- life cycle ---------------------------------------------------------------------------
     @classmethod
@@ -216,18 +220,29 @@ class RankPool:
     def close(self, timeout_s: float = 30) -> None:
         """Stop the ranks (stop file, then the process group) and remove a work dir made here."""
         if not self.owner:
+            if self._done is not None:
+                self._done.close()
+                self._done = None
             return
         self._join_background()
         if self.proc is not None and self.proc.poll() is None:
             (self.work_dir / "stop").write_text("")
+            self._ring_ranks()
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 pass
         self._stop_process()
         _OPEN.discard(self)
+        if self._done is not None:
+            self._done.close()
+            self._done = None
         if self._own_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def _ring_ranks(self) -> None:
+        for rank in range(self.world):
+            Doorbell.ring(self.work_dir / f"wake_{rank}")
 
     def _stop_process(self) -> None:
 
@@ -287,7 +302,10 @@ class RankPool:
             job = self.work_dir / f"job_{job_id}.json"
             tmp = self.work_dir / f".job_{job_id}.json.tmp"
             tmp.write_text(json.dumps({"module": module, "payload": payload}))
+            if self._done is None:  # before the job exists: its ranks ring it when they finish
+                self._done = Doorbell(self.work_dir / "done")
             os.replace(tmp, job)
+            self._ring_ranks()
             try:
                 return self._collect(module, job_id, timeout_s)
             finally:
@@ -330,7 +348,7 @@ class RankPool:
 
                 raise job_error(message, [e.read_text() for e in errors if e.exists()] +
                                 relayed_errors(self.work_dir / "stderr.txt"))
-            time.sleep(0.005)
+            self._done.wait(WAIT_S)
         if any(e.exists() for e in errors):
             raise job_error(f"{module} failed on the rank pool ({self.world} ranks).\n{self._error_detail(errors)}",
                             [e.read_text() for e in errors if e.exists()])

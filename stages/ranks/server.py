@@ -10,8 +10,11 @@ Each rank initialises the process group once (gloo on CPU, nccl on CUDA), writes
 then serves jobs in order: job_<id>.json in work_dir (written atomically by the client) holds
 {"module", "payload"}; every rank reads the same file, runs `<module>.rank_main(ctx, rank, world)`
 (stages.ranks.entry.run_job) and writes result_<id>_<rank>.json or error_<id>_<rank>.txt (its
-traceback). Ranks poll the folder instead of blocking in a broadcast, so an idle pool holds no
-pending collective (no gloo/NCCL timeout between steps, no spinning GPU kernel). A `stop` file,
+traceback). Ranks watch the folder instead of blocking in a broadcast, so an idle pool holds no
+pending collective (no gloo/NCCL timeout between steps, no spinning GPU kernel): a rank waits on
+its doorbell wake_<rank> (stages.ranks.procs.Doorbell, a named pipe the client rings after writing
+a job or the stop file), at most WAIT_S between looks at the folder, and rings `done` after
+writing its result or error, which wakes the client. A `stop` file,
 or the owner process disappearing, ends the loop. A thread touches heartbeat_<rank> every
 HEARTBEAT_S; a rank whose heartbeat stops (frozen by SIGSTOP, swapped out, hung with the GIL held)
 is reported by the client within its heartbeat timeout instead of at the job timeout. After each job the rank frees what the job
@@ -30,8 +33,10 @@ import time
 import traceback
 from pathlib import Path
 
+from stages.ranks.procs import Doorbell
+
 HEARTBEAT_S = 2.0  # seconds between a rank's heartbeat touches
-POLL_S = 0.005  # job pick-up latency; an idle rank costs ~200 stat calls a second
+WAIT_S = 0.2  # an idle rank looks at the folder at least this often (a ring wakes it at once)
 
 
 def _owner_alive(pid: int) -> bool:
@@ -67,6 +72,7 @@ def serve(work: Path, device: str, owner_pid: int, multi_node: bool = False) -> 
                 destroy_distributed()
     next_file = work / "next_id"  # read before "ready": the client writes it only once all are ready
     job_id = int(next_file.read_text()) if next_file.exists() else 0
+    bell = Doorbell(work / f"wake_{rank}")  # made before "ready": a job written after it rings it
     _start_heartbeat(work / f"heartbeat_{rank}")
     _write_atomic(work / f"ready_{rank}", str(os.getpid()))
     _preload()
@@ -83,7 +89,7 @@ def serve(work: Path, device: str, owner_pid: int, multi_node: bool = False) -> 
                               file=sys.stderr, flush=True)
                         return 0
                     last_owner_check = time.monotonic()
-                time.sleep(POLL_S)
+                bell.wait(WAIT_S)
                 continue
             job = json.loads(job_file.read_text())
             try:
@@ -94,6 +100,7 @@ def serve(work: Path, device: str, owner_pid: int, multi_node: bool = False) -> 
                 print(text, file=sys.stderr, flush=True)
                 _write_atomic(work / f"error_{job_id}_{rank}.txt", text)
             finally:
+                Doorbell.ring(work / "done")
                 result = None
                 job = None
                 sys.stdout.flush()
@@ -102,6 +109,7 @@ def serve(work: Path, device: str, owner_pid: int, multi_node: bool = False) -> 
                 _empty_device_cache(device)
             job_id += 1
     finally:
+        bell.close()
         session.close()
         destroy_distributed()
 
@@ -111,7 +119,7 @@ IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # a multi-node pool's idle ranks wait in a bro
 
 def serve_multi(work: Path, device: str, owner_pid: int, rank: int, world: int, sees: list, session) -> int:
     """The pool's ranks on several machines (DeepSpeed's launcher over a hostfile): only the
-    ranks on the pool's machine see work_dir. The leader (the lowest of them) polls it and sends
+    ranks on the pool's machine see work_dir. The leader (the lowest of them) watches it and sends
     each job (or "stop", when the stop file appears or the owner is gone) to every rank with a
     broadcast; every rank runs it; the leader gathers the results and writes every rank's result
     file, the ready files (a rank elsewhere: "remote HOST PID") and heartbeats for all. A job
@@ -122,11 +130,23 @@ def serve_multi(work: Path, device: str, owner_pid: int, rank: int, world: int, 
 
     import torch.distributed as dist
 
-    from stages.ranks.entry import run_job
-
     leader = sees.index(True)
     here = [None] * world
     dist.all_gather_object(here, f"{socket.gethostname()} {os.getpid()}")
+    bell = Doorbell(work / f"wake_{rank}") if rank == leader else None
+    try:
+        return _serve_multi_jobs(work, device, owner_pid, rank, world, sees, session, leader, here, bell)
+    finally:
+        if bell is not None:
+            bell.close()
+
+
+def _serve_multi_jobs(work: Path, device: str, owner_pid: int, rank: int, world: int, sees: list, session,
+                      leader: int, here: list, bell) -> int:
+    import torch.distributed as dist
+
+    from stages.ranks.entry import run_job
+
     job_id = 0
     if rank == leader:
         next_file = work / "next_id"
@@ -140,7 +160,7 @@ def serve_multi(work: Path, device: str, owner_pid: int, rank: int, world: int, 
     while True:
         box = [None]
         if rank == leader:
-            box[0] = _next_job(work, job_id, owner_pid)
+            box[0] = _next_job(work, job_id, owner_pid, bell)
         dist.broadcast_object_list(box, src=leader)
         job = box[0]
         if job == "stop":
@@ -152,6 +172,7 @@ def serve_multi(work: Path, device: str, owner_pid: int, rank: int, world: int, 
             text = traceback.format_exc()
             if sees[rank]:
                 _write_atomic(work / f"error_{job_id}_{rank}.txt", text)
+                Doorbell.ring(work / "done")
             print(f"stagerl rank {rank} of {world} ({job['module']}) failed:\n{text}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
@@ -160,6 +181,7 @@ def serve_multi(work: Path, device: str, owner_pid: int, rank: int, world: int, 
         if rank == leader:
             for r, res in enumerate(results):
                 _write_atomic(work / f"result_{job_id}_{r}.json", json.dumps(res))
+            Doorbell.ring(work / "done")
         result = results = job = None
         sys.stdout.flush()
         gc.collect()
@@ -168,7 +190,7 @@ def serve_multi(work: Path, device: str, owner_pid: int, rank: int, world: int, 
         job_id += 1
 
 
-def _next_job(work: Path, job_id: int, owner_pid: int):
+def _next_job(work: Path, job_id: int, owner_pid: int, bell: Doorbell):
     """The leader's wait for job_<id>.json ({"module", "payload"}), or "stop"."""
     last_owner_check = time.monotonic()
     while True:
@@ -182,7 +204,7 @@ def _next_job(work: Path, job_id: int, owner_pid: int):
                 print(f"rank pool: owner process {owner_pid} is gone; the ranks exit", file=sys.stderr, flush=True)
                 return "stop"
             last_owner_check = time.monotonic()
-        time.sleep(POLL_S)
+        bell.wait(WAIT_S)
 
 
 def _start_heartbeat(path: Path) -> None:
