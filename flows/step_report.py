@@ -33,18 +33,21 @@ class _BackgroundPublisher:
         self.last_published = None  # time.monotonic() when the last report's thread started
 
     def submit(self, ctx, summaries: dict) -> None:
-        """Record the step for publishing (replacing a pending one that was not due)."""
+        """Record the step for publishing (replacing a pending one not yet started). Never waits
+        for a publish still running: a slow or unreachable Prefect API (its client retries a
+        call for about a minute) holds the reports back, not the steps; the newest step waits
+        its turn and the ones between are not published."""
         import contextvars
 
-        self.join()
         self.pending = (contextvars.copy_context(), ctx, summaries)
 
     def start(self, force: bool = False) -> None:
-        """Start publishing what submit() recorded, in a thread, if it is due (or force)."""
+        """Start publishing what submit() recorded, in a thread, if it is due (or force) and no
+        publish is still running."""
         import threading
         import time
 
-        if self.pending is None or self.thread is not None:
+        if self.pending is None or self.running():
             return
         context, ctx, summaries = self.pending
         interval = float(ctx.get("orchestration.step_report_interval_s") or 0.0)
@@ -71,11 +74,16 @@ class _BackgroundPublisher:
                 log = logging.getLogger("stagerl")
             log.warning(f"step {ctx.step}: Prefect artifacts not published ({type(exc).__name__}: {exc})")
 
+    def running(self) -> bool:
+        if self.thread is not None and not self.thread.is_alive():
+            self.thread = None
+        return self.thread is not None
+
     def join(self, timeout_s: float = 120.0) -> None:
-        """Wait for a publishing thread still running."""
+        """Wait for a publishing thread still running (at most timeout_s)."""
         if self.thread is not None:
             self.thread.join(timeout_s)
-            self.thread = None
+            self.running()
 
     def wait(self, timeout_s: float = 120.0) -> None:
         """Publish what is pending, due or not, and wait for it."""
