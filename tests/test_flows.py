@@ -624,6 +624,47 @@ def test_a_killed_prefect_server_stops_the_run_and_resume_completes(assets, tmp_
     assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
 
 
+def test_a_prefect_api_that_stops_answering_lets_the_steps_finish_and_names_it(assets, tmp_path, reference_checksum):
+    """`stagerl train` against a Prefect API it did not start (PREFECT_API_URL), SIGKILLed during
+    step 1: the steps go on (a stage needs only the store, and a step report that cannot be
+    published holds no step back), then the run ends naming the API and the command to run
+    next, which completes the run (on a fresh server) with the uninterrupted run's weights."""
+    from flows.prefect_server import local_server
+
+    root = (tmp_path / "runs").resolve()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "STAGERL_FAULT"}
+    env.update(PYTHONUNBUFFERED="1", PREFECT_CLIENT_MAX_RETRIES="1")  # the client gives up in ~2 s, not ~1 min
+    store, layout = Store.from_config({"root": str(root)}), RunLayout(PROJECT, "g")
+    with local_server(tmp_path / "prefect") as api:
+        api.wait_healthy()
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", "tiny-cpu", "--experiment", "g",
+                                 *tiny_overrides(assets, root)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**env, "PREFECT_API_URL": api.api_url, "PREFECT_HOME": str(tmp_path / "prefect")})
+        try:
+            deadline = time.time() + 300
+            while read_manifest(store, layout, 1, "rollout") is None:
+                assert proc.poll() is None and time.time() < deadline, "step 1's rollout did not finish"
+                time.sleep(0.2)
+            os.kill(api.proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 1, out[-3000:]
+    assert all(read_manifest(store, layout, step, stage) for step in (1, 2) for stage in STAGES), out[-3000:]
+    last = [line for line in out.splitlines() if line.startswith("error:")][-1]
+    assert last.startswith(f"error: the Prefect API {api.api_url} stopped answering (ConnectError"), out[-3000:]
+    command = last.split("`")[1]
+    assert command == f"stagerl resume {PROJECT}/g --root {root}"
+    resumed = subprocess.run([sys.executable, "-m", "flows.cli", *command.split()[1:]], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert folder_manifest(store, layout.weights(2))["checksum"] == reference_checksum
+
+
 def test_each_step_as_its_own_subflow(server, assets, tmp_path, reference_checksum):
     """orchestration.step_subflow=true: every step is an rl-step subflow of rl-train (the default
     runs the stage tasks in the rl-train flow run itself), and the weights equal the default's.

@@ -191,7 +191,8 @@ def _train_on_server(cfg: dict, config: str, overrides: list, experiment, force_
                 raise
             return 1  # the watch printed why, and what to run next
         except Exception as exc:  # Prefect's own API calls (creating or ending the flow run)
-            note = prefect_server_error(exc, server, resume_command(cfg))
+            note = (prefect_server_error(exc, server, resume_command(cfg))
+                    or prefect_api_gone(exc, server, resume_command(cfg)))
             if note is None:
                 raise
             print(note)
@@ -203,6 +204,7 @@ def _train_on_server(cfg: dict, config: str, overrides: list, experiment, force_
                 state.result()
             except Exception as exc:
                 print(prefect_server_error(exc, server, resume_command(cfg))
+                      or prefect_api_gone(exc, server, resume_command(cfg))
                       or failure_message(exc, resume_command(cfg)))
             return 1
         return 0
@@ -243,6 +245,26 @@ def prefect_server_error(exc: BaseException, server, next_step: str) -> str | No
     log = f" (its log: {server.log})" if server is not None else ""
     return (f"error: the Prefect server {url}{log} answered HTTP {status}: {exc}. The run's data in "
             f"the store is intact: once the server is healthy, `{next_step}`")
+
+
+def prefect_api_gone(exc: BaseException, server, next_step: str) -> str | None:
+    """The message for a Prefect API that stopped answering (no connection, a timeout: the
+    client's retries spent), or None for other errors. The steps go on without it (a stage
+    needs only the store; the step reports wait: flows.step_report), so what fails is Prefect's
+    record of the flow run's end."""
+    import httpx
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, httpx.TransportError):
+            url = server.api_url if server is not None else os.environ.get("PREFECT_API_URL", "?")
+            return (f"error: the Prefect API {url} stopped answering ({type(exc).__name__}: {exc}), so "
+                    f"Prefect could not record how the flow run ended. The run's data in the store is "
+                    f"intact (a stage is complete when its manifest is): once the API answers again, "
+                    f"`{next_step}` continues after the last complete stage")
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def resume_command(cfg: dict) -> str:
