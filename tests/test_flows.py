@@ -630,6 +630,7 @@ def test_a_prefect_api_that_stops_answering_lets_the_steps_finish_and_names_it(a
     published holds no step back), then the run ends naming the API and the command to run
     next, which completes the run (on a fresh server) with the uninterrupted run's weights."""
     from flows.prefect_server import local_server
+    from stages.ranks.procs import kill_group
 
     root = (tmp_path / "runs").resolve()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "STAGERL_FAULT"}
@@ -649,10 +650,7 @@ def test_a_prefect_api_that_stops_answering_lets_the_steps_finish_and_names_it(a
             os.kill(api.proc.pid, signal.SIGKILL)
             out, _ = proc.communicate(timeout=300)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(proc)  # the run's session: what it left running
     assert proc.returncode == 1, out[-3000:]
     assert all(read_manifest(store, layout, step, stage) for step in (1, 2) for stage in STAGES), out[-3000:]
     last = [line for line in out.splitlines() if line.startswith("error:")][-1]
