@@ -219,10 +219,10 @@ class RankPool:
 
     def close(self, timeout_s: float = 30) -> None:
         """Stop the ranks (stop file, then the process group) and remove a work dir made here."""
+        if self._done is not None:  # a submit that runs after this makes it again
+            self._done.close()
+            self._done = None
         if not self.owner:
-            if self._done is not None:
-                self._done.close()
-                self._done = None
             return
         self._join_background()
         if self.proc is not None and self.proc.poll() is None:
@@ -234,9 +234,6 @@ class RankPool:
                 pass
         self._stop_process()
         _OPEN.discard(self)
-        if self._done is not None:
-            self._done.close()
-            self._done = None
         if self._own_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 

@@ -111,6 +111,9 @@ def kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+POLL_S = 0.005  # a Doorbell without its pipe: seconds between looks at the folder
+
+
 class Doorbell:
     """A named pipe in a rank pool's work dir that wakes the process waiting on it at once.
 
@@ -118,9 +121,10 @@ class Doorbell:
     writes its file first, then rings (`Doorbell.ring`: one byte, never blocking, nothing when no
     one listens); the reader checks its files, then waits in select() on the pipe for at most
     `timeout_s`. A ring between the check and the wait stays in the pipe, so it is never lost,
-    and a missing ring (a pipe that could not be made, another reader that took the byte) only
-    leaves the reader to its timeout, which is the old polling. Before, both sides slept 5 ms
-    between polls of the folder: 2.5 ms on average to see a job and as long to see its result.
+    and a missing ring (another reader that took the byte) only leaves the reader to its
+    timeout. Where no pipe can be made (a file system without them), wait() sleeps POLL_S, the
+    old polling: both sides slept 5 ms between looks at the folder, 2.5 ms on average to see a
+    job and as long to see its result.
     A pipe is local to one machine, as the pool's work dir is read on the pool's machine only."""
 
     def __init__(self, path):
@@ -143,7 +147,7 @@ class Doorbell:
     def wait(self, timeout_s: float) -> bool:
         """Until a ring (True: the pipe is drained) or timeout_s (False)."""
         if self.fd is None:
-            time.sleep(timeout_s)
+            time.sleep(min(timeout_s, POLL_S))
             return False
         ready, _, _ = select.select([self.fd], [], [], timeout_s)
         if not ready:

@@ -130,25 +130,15 @@ def serve_multi(work: Path, device: str, owner_pid: int, rank: int, world: int, 
 
     import torch.distributed as dist
 
+    from stages.ranks.entry import run_job
+
     leader = sees.index(True)
     here = [None] * world
     dist.all_gather_object(here, f"{socket.gethostname()} {os.getpid()}")
-    bell = Doorbell(work / f"wake_{rank}") if rank == leader else None
-    try:
-        return _serve_multi_jobs(work, device, owner_pid, rank, world, sees, session, leader, here, bell)
-    finally:
-        if bell is not None:
-            bell.close()
-
-
-def _serve_multi_jobs(work: Path, device: str, owner_pid: int, rank: int, world: int, sees: list, session,
-                      leader: int, here: list, bell) -> int:
-    import torch.distributed as dist
-
-    from stages.ranks.entry import run_job
-
     job_id = 0
     if rank == leader:
+        bell = Doorbell(work / f"wake_{rank}")
+        session.on_close("stages.ranks.server: doorbell", bell.close)  # serve() closes the session
         next_file = work / "next_id"
         job_id = int(next_file.read_text()) if next_file.exists() else 0
         for r in range(world):
