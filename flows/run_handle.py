@@ -32,6 +32,7 @@ class RunHandle(BaseModel):
     uri: str
     _resolved: Any = PrivateAttr(default=None)  # (cfg, plan, store) once known
     _session: Any = PrivateAttr(default=None)  # stages.session.RunSession of the training flow
+    _events: Any = PrivateAttr(default=None)  # flows.task_events.EventPacer of the training flow
 
     @classmethod
     def of(cls, cfg: dict, plan: dict, store: Store, session=None) -> "RunHandle":
@@ -45,6 +46,15 @@ class RunHandle(BaseModel):
     def session(self):
         """The run session of the training flow that made this handle; None elsewhere."""
         return self._session
+
+    @property
+    def events(self):
+        """The training flow's EventPacer (flows/task_events.py) while its steps run; else None."""
+        return self._events
+
+    @events.setter
+    def events(self, pacer) -> None:
+        self._events = pacer
 
     def open(self) -> tuple[dict, dict, Store]:
         """(cfg, plan, store): as resolved by the training flow, else read from run.json once."""

@@ -45,6 +45,9 @@ STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: sta
 REMOTE_STAGES = ("rollout", "update")
 ON_UPDATE_DEPLOYMENT = ("logprob",)  # N-rank stages run by the update deployment, on its pool
 STAGE_MODULES = {"warmstart": "model.warmstart"}  # stages whose module is not at the package's top
+# Stages whose start releases the Prefect events held since the last one (flows/task_events.py):
+# generation and the train loop follow, beside which sending them costs the step least.
+RELEASE_EVENTS_AT = ("rollout", "update")
 
 
 # ---- stages and their fingerprints ------------------------------------------------------------
@@ -142,6 +145,8 @@ def execute_stage(stage: str, run: RunHandle, step: int, extra: dict | None = No
     if manifest and manifest.get("fingerprint") == fingerprint:
         message = f"skipped: {stage} of step {step} is complete (fingerprint {fingerprint[:12]})"
         return Completed(name="Cached", message=message, data=summarize(manifest, skipped=True))
+    if stage in RELEASE_EVENTS_AT and run.events is not None:
+        run.events.release()
     t0, started_at = time.perf_counter(), time.time()
     if deployment:
         run_stage_deployment(deployment, ctx, stage, run.uri, extra)

@@ -19,6 +19,7 @@ from prefect import flow
 from flows.run_handle import RunHandle
 from flows.step import (check_stage_deployments, completed_stage_lines, is_retryable, logger, rl_step,
                         run_step_subflow, step_is_complete, subflow_heartbeats_off)
+from flows.task_events import paced_task_events
 from configs.changes import changed_keys  # noqa: F401 (tests import it from here)
 from configs.local_paths import check_local_paths
 from configs.memory import check_fits, check_host_fits, estimate_memory
@@ -243,7 +244,8 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
         name_flow_run(store, layout, total, fork)
-        with completed_stage_lines(cfg):
+        with completed_stage_lines(cfg), paced_task_events(cfg) as events:
+            run.events = events  # the step's rollout and update release the held events
             before_first_step(run, cfg, plan, dataset, total, sinks)
             done, ran, last = run_steps(run, cfg, store, layout, dataset, total, sinks, lock)
         return finish_run(run, cfg, store, layout, total, done, ran, last)

@@ -62,8 +62,9 @@ def test_weights_of_a_step_still_committing_are_not_counted(tmp_path):
 
 def test_the_step_loop_prunes_in_the_background(tmp_path):
     """The step loop's prune runs in the session's background thread (prune_in_background), one
-    after the other: the old folder is gone once that thread has ended, and a prune that fails
-    there is reported and done by the next one instead of failing the run."""
+    after the other in the same thread (started once: not a thread per step), which the session's
+    close ends: the old folder is gone once the prune has run, and a prune that fails there is
+    reported and done by the next one instead of failing the run."""
     import threading
 
     from flows.train import PRUNE, prune_in_background
@@ -79,7 +80,7 @@ def test_the_step_loop_prunes_in_the_background(tmp_path):
     threads, listing = [], store.list
 
     def failing_once(key):  # the first prune's listing fails, as a storage outage would
-        threads.append(threading.current_thread().name)
+        threads.append(threading.current_thread())
         if len(threads) == 1:
             raise OSError("store unavailable")
         return listing(key)
@@ -91,7 +92,8 @@ def test_the_step_loop_prunes_in_the_background(tmp_path):
         prune_in_background(session, store, layout, 3, cfg)
         session.join_background(PRUNE)
         assert list_weights(store, layout) == [3]
-    assert threads[0] == f"background-{PRUNE}" and f"background-{PRUNE}" in threads[2:]  # MainThread: the asserts'
+    assert threads[0].name == f"background-{PRUNE}" and threads[0] in threads[2:]  # MainThread: the asserts'
+    assert not threads[0].is_alive()  # the session's close ended it
 
 
 def test_a_prune_cut_short_leaves_no_committed_folder_with_files_missing(tmp_path, monkeypatch):
