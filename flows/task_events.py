@@ -55,7 +55,7 @@ class EventPacer:
         self._clock = None  # the pending hold's token (its timer runs in the events worker's loop)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: PrefectEventsClient | None = None
-        self._sending: asyncio.Lock | None = None
+        self._sending = asyncio.Lock()  # bound to the events worker's loop on first use
 
     def put(self, item) -> None:
         """ProcessPoolForwardingEventsClient's call, (item type, event), in Prefect's events
@@ -85,7 +85,6 @@ class EventPacer:
             return asyncio.run_coroutine_threadsafe(self._send(events), self._loop)
 
     async def _send(self, events: list) -> None:
-        self._sending = self._sending or asyncio.Lock()
         async with self._sending:  # one batch after the other, each in order
             try:
                 if self._client is None:
@@ -117,7 +116,6 @@ class EventPacer:
                 log.warning("Prefect events of the run's last stages not sent: %s", type(exc).__name__)
 
     async def _close_client(self) -> None:
-        self._sending = self._sending or asyncio.Lock()
         async with self._sending:  # after the sends before it
             if self._client is not None:
                 client, self._client = self._client, None

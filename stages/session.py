@@ -25,9 +25,9 @@ also when it fails. A session holds processes, so it is never written to the sto
 rank: StageContext.to_json leaves it out."""
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 class DeferredCommitError(RuntimeError):
@@ -39,44 +39,6 @@ class DeferredCommitError(RuntimeError):
         self.stage, self.step, self.cause = stage, step, cause
 
 
-class _Worker:
-    """One daemon thread that runs the functions submitted to it, in order (start_background)."""
-
-    def __init__(self, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._submitted = self._done = 0
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, fn) -> None:
-        with self._idle:
-            self._submitted += 1
-        self._queue.put(fn)
-
-    def wait(self) -> None:
-        """Until everything submitted so far has run (at once from the worker's own thread)."""
-        if threading.current_thread() is self.thread:
-            return
-        with self._idle:
-            target = self._submitted
-            self._idle.wait_for(lambda: self._done >= target)
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        if threading.current_thread() is not self.thread:
-            self.thread.join()
-
-    def _run(self) -> None:
-        while (fn := self._queue.get()) is not None:
-            try:
-                fn()
-            finally:
-                with self._idle:
-                    self._done += 1
-                    self._idle.notify_all()
-
-
 class RunSession:
     def __init__(self, log_dir=None, retries: int = 3, retry_delay_s: float = 2.0, retryable=None):
         self.log_dir = log_dir
@@ -86,7 +48,7 @@ class RunSession:
         self.retries, self.retry_delay_s = int(retries), float(retry_delay_s)
         self.retryable = retryable or (lambda exc: False)
         self._on_close: dict = {}
-        self._background: dict = {}  # name -> _Worker (start_background)
+        self._background: dict = {}  # name -> [its one-thread executor, its newest work's future]
         self.rank_pool = None  # stages.ranks.pool.RankPool of this run (not closed by the session)
         self.spawner = None  # stages.ranks.zygote.Zygote: CPU workers and ranks forked, not started (closed last)
         self.closed = False
@@ -148,31 +110,30 @@ class RunSession:
         for the prune beside the update's commit). A failure is only printed: the work it did
         ahead is then done where it is needed."""
         def work():
+            threading.current_thread().name = f"background-{name}"
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 print(f"background {name} failed ({type(exc).__name__}: {exc}); its work is done when "
                       f"needed", flush=True)
 
-        worker = self._background.get(name)
-        if worker is None:
-            worker = self._background[name] = _Worker(f"background-{name}")
-        worker.submit(work)
+        entry = self._background.get(name)
+        if entry is None:
+            entry = self._background[name] = [ThreadPoolExecutor(max_workers=1), None]
+        entry[1] = entry[0].submit(work)
 
     def join_background(self, name: str | None = None) -> None:
         """Wait for the background work `name` (None: all of it) given so far."""
         for key in [name] if name is not None else list(self._background):
-            worker = self._background.get(key)
-            if worker is not None:
-                worker.wait()
+            entry = self._background.get(key)
+            if entry is not None and threading.current_thread().name != f"background-{key}":
+                entry[1].result()  # its executor ran the earlier ones first
 
     # ---- background commits -------------------------------------------------------------------
     def defer(self, stage: str, step: int, fingerprint: str, commit, local_weights=None) -> None:
         """Run `commit()` (uploads, then the stage's manifest) in a thread; storage errors the
         retry policy accepts are retried (retries, doubling delays). `local_weights`: a local
         folder holding the weights of `step` until they are in the store."""
-        import threading
-
         entry = {"fingerprint": fingerprint, "error": None, "local_weights": local_weights}
 
         def work():
@@ -254,8 +215,8 @@ class RunSession:
         """Stop every process the session started (idempotent)."""
         self.closed = True
         self.join_background()
-        for worker in self._background.values():
-            worker.stop()
+        for executor, _ in self._background.values():
+            executor.shutdown()
         self._background.clear()
         try:
             self.wait_commits()  # never leave a trained step uncommitted when avoidable

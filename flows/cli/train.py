@@ -191,8 +191,7 @@ def _train_on_server(cfg: dict, config: str, overrides: list, experiment, force_
                 raise
             return 1  # the watch printed why, and what to run next
         except Exception as exc:  # Prefect's own API calls (creating or ending the flow run)
-            note = (prefect_server_error(exc, server, resume_command(cfg))
-                    or prefect_api_gone(exc, server, resume_command(cfg)))
+            note = prefect_api_error(exc, server, resume_command(cfg))
             if note is None:
                 raise
             print(note)
@@ -203,9 +202,8 @@ def _train_on_server(cfg: dict, config: str, overrides: list, experiment, force_
             try:
                 state.result()
             except Exception as exc:
-                print(prefect_server_error(exc, server, resume_command(cfg))
-                      or prefect_api_gone(exc, server, resume_command(cfg))
-                      or failure_message(exc, resume_command(cfg)))
+                next_step = resume_command(cfg)
+                print(prefect_api_error(exc, server, next_step) or failure_message(exc, next_step))
             return 1
         return 0
 
@@ -225,6 +223,17 @@ def failure_message(exc: BaseException, next_step: str) -> str:
 LOW_DISK_BYTES = 64 << 20  # below this, a Prefect server error is put down to a full disk
 
 
+def prefect_api_error(exc: BaseException, server, next_step: str) -> str | None:
+    """The message for a failure of the Prefect API itself (prefect_server_error: it answered
+    5xx; prefect_api_gone: it stopped answering), or None for other errors."""
+    return prefect_server_error(exc, server, next_step) or prefect_api_gone(exc, server, next_step)
+
+
+def api_url(server) -> str:
+    """The Prefect API the run talks to: the local server `stagerl train` started, or PREFECT_API_URL."""
+    return server.api_url if server is not None else os.environ.get("PREFECT_API_URL", "?")
+
+
 def prefect_server_error(exc: BaseException, server, next_step: str) -> str | None:
     """The message for an HTTP 5xx answer of the Prefect server, or None for other errors.
     SQLite on a full disk makes the server answer "500 Internal Server Error" (and its log may
@@ -234,7 +243,7 @@ def prefect_server_error(exc: BaseException, server, next_step: str) -> str | No
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if not isinstance(status, int) or status < 500:
         return None
-    url = server.api_url if server is not None else os.environ.get("PREFECT_API_URL", "?")
+    url = api_url(server)
     home = os.environ.get("PREFECT_HOME")
     free = shutil.disk_usage(home).free if server is not None and home and os.path.isdir(home) else None
     if free is not None and free < LOW_DISK_BYTES:
@@ -257,11 +266,11 @@ def prefect_api_gone(exc: BaseException, server, next_step: str) -> str | None:
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, httpx.TransportError):
-            url = server.api_url if server is not None else os.environ.get("PREFECT_API_URL", "?")
-            return (f"error: the Prefect API {url} stopped answering ({type(exc).__name__}: {exc}), so "
-                    f"Prefect could not record how the flow run ended. The run's data in the store is "
-                    f"intact (a stage is complete when its manifest is): once the API answers again, "
-                    f"`{next_step}` continues after the last complete stage")
+            return (f"error: the Prefect API {api_url(server)} stopped answering "
+                    f"({type(exc).__name__}: {exc}), so Prefect could not record how the flow run "
+                    f"ended. The run's data in the store is intact (a stage is complete when its "
+                    f"manifest is): once the API answers again, `{next_step}` continues after the "
+                    f"last complete stage")
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
