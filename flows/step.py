@@ -45,8 +45,9 @@ STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: sta
 REMOTE_STAGES = ("rollout", "update")
 ON_UPDATE_DEPLOYMENT = ("logprob",)  # N-rank stages run by the update deployment, on its pool
 STAGE_MODULES = {"warmstart": "model.warmstart"}  # stages whose module is not at the package's top
-# Stages whose start releases the Prefect events held since the last one (flows/task_events.py):
-# generation and the train loop follow, beside which sending them costs the step least.
+# Stages whose deployment's start releases the Prefect events held since the last one
+# (flows/task_events.py): generation or the train loop follows, elsewhere. A stage run here
+# releases them itself where its compute starts (RunSession.compute_starts).
 RELEASE_EVENTS_AT = ("rollout", "update")
 
 
@@ -145,7 +146,7 @@ def execute_stage(stage: str, run: RunHandle, step: int, extra: dict | None = No
     if manifest and manifest.get("fingerprint") == fingerprint:
         message = f"skipped: {stage} of step {step} is complete (fingerprint {fingerprint[:12]})"
         return Completed(name="Cached", message=message, data=summarize(manifest, skipped=True))
-    if stage in RELEASE_EVENTS_AT and run.events is not None:
+    if deployment and stage in RELEASE_EVENTS_AT and run.events is not None:
         run.events.release()
     t0, started_at = time.perf_counter(), time.time()
     if deployment:

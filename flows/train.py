@@ -169,10 +169,11 @@ PRUNE = "prune-weights"
 
 def prune_in_background(session, store: Store, layout: RunLayout, latest: int, cfg: dict) -> None:
     """prune_weights in the session's background thread (after the previous prune has ended), off
-    the step's critical path (a listing and a folder's removal, 2-4 ms a step at small scale). A
+    the step's critical path (a listing and a folder's removal, 2-4 ms a step at small scale),
+    from when the next compute starts (RunSession.compute_starts: the next generation). A
     prune that fails is reported and done again by the next one; finish_run prunes once more
     after the last commit."""
-    session.start_background(PRUNE, lambda: prune_weights(store, layout, latest, cfg))
+    session.start_background(PRUNE, lambda: prune_weights(store, layout, latest, cfg), at_compute=True)
 
 
 # ---- logging --------------------------------------------------------------------------------
@@ -244,8 +245,8 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
         name_flow_run(store, layout, total, fork)
-        with completed_stage_lines(cfg), paced_task_events(cfg) as events:
-            run.events = events  # the step's rollout and update release the held events
+        with completed_stage_lines(cfg), paced_task_events(cfg, session) as events:
+            run.events = events  # released where a stage computes (and a deployment's rollout or update starts)
             before_first_step(run, cfg, plan, dataset, total, sinks)
             done, ran, last = run_steps(run, cfg, store, layout, dataset, total, sinks, lock)
         return finish_run(run, cfg, store, layout, total, done, ran, last)

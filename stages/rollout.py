@@ -34,7 +34,7 @@ from pathlib import Path
 
 from stages.data.baseline_answers import ANSWERS as BASELINE
 from stages.data.baseline_answers import needs_baseline
-from stages.engines import EngineOptions, Sampling, derive_seed, in_own_process
+from stages.engines import EngineOptions, Sampling, derive_seed, in_own_process, row_seeds
 from storage.faults import maybe_fault
 from storage.layout import TURNS_FILE
 
@@ -179,7 +179,7 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
         if not ids:
             raise ValueError(f"row {row // n} of the batch (data row {prompts[row // n].row}): empty prompt")
     base = _base_seed(ctx, purpose)
-    seeds = [derive_seed(base, row) for row in range(len(prompt_ids))]
+    seeds = row_seeds(base, len(prompt_ids))
     training = purpose != "validation"
     options = _engine_options(ctx, model_dir, ctx.rollout_version() if training else ctx.policy_version())
     options.step_seed = base
@@ -193,6 +193,8 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
         gens, trajectories = _agent_loops(ctx, prompts, prompt_ids, uids, base, sampling, options, engine,
                                           engines, tokenizer)
     else:
+        if ctx.session is not None:  # generation starts (here, or in the engine workers)
+            ctx.session.compute_starts()
         gens = engines.generate(engine, prompt_ids, seeds, sampling, options)
     engines.sleep()  # GPU + rollout.free_cache_engine: the update gets the memory back
 

@@ -9,6 +9,12 @@ start once per run:
 - `tools(tool_config_path, num_workers, timeout_s)`: the multi-turn tool workers (stages.tools);
 - `defer(...)` / `wait_commits()`: a stage's commit (uploads, then its manifest) in a background
   thread, overlapping the next stage (the update's, with the next step's rollout);
+- `compute_starts()`: called by a stage right before a long compute (the rollout's generation,
+  the update's train loop, a rank job it waits for): starts the background work held for that
+  moment (`defer(..., at_compute=True)`, `start_background(..., at_compute=True)`) and calls the
+  functions given to `on_compute` (the training flow's: send the held Prefect events). Between
+  those computes the step runs short Python stages, which every other thread taking Python's
+  GIL slows; beside a compute that work costs the step least;
 - `memo(key, make)`: small things derived from immutable inputs (a tokenizer by its files'
   checksum, ...), made once per run; also what a stage keeps between its own calls (the update's
   DeepSpeed engines: stages.training.worker), released by `on_close`;
@@ -49,6 +55,9 @@ class RunSession:
         self.retryable = retryable or (lambda exc: False)
         self._on_close: dict = {}
         self._background: dict = {}  # name -> [its one-thread executor, its newest work's future]
+        self._at_compute: dict = {}  # name -> fn called by compute_starts (on_compute)
+        self._held: list = []  # what waits for compute_starts: (key, its start function), in order
+        self._held_lock = threading.Lock()
         self.rank_pool = None  # stages.ranks.pool.RankPool of this run (not closed by the session)
         self.spawner = None  # stages.ranks.zygote.Zygote: CPU workers and ranks forked, not started (closed last)
         self.closed = False
@@ -56,6 +65,35 @@ class RunSession:
     def on_close(self, name: str, fn) -> None:
         """Call fn() when the run ends (once per name): state a stage keeps in this process."""
         self._on_close.setdefault(name, fn)
+
+    # ---- work beside the long computes ----------------------------------------------------------
+    def on_compute(self, name: str, fn) -> None:
+        """Call fn() (quick, from the stage's thread) each time a stage starts a long compute;
+        None removes it."""
+        if fn is None:
+            self._at_compute.pop(name, None)
+        else:
+            self._at_compute[name] = fn
+
+    def compute_starts(self) -> None:
+        """A stage is about to generate, train, or wait for ranks that do: start the work held
+        for this moment, then call the on_compute functions."""
+        self._start_held()
+        for fn in list(self._at_compute.values()):
+            fn()
+
+    def _hold(self, key, start) -> None:
+        with self._held_lock:
+            self._held.append((key, start))
+
+    def _start_held(self, key=None) -> None:
+        """Start held work, in the order it was given: all of it, or that under `key` (what a
+        caller is about to wait for)."""
+        with self._held_lock:
+            starts = [start for k, start in self._held if key is None or k == key]
+            self._held = [] if key is None else [(k, start) for k, start in self._held if k != key]
+        for start in starts:
+            start()
 
     def engines(self):
         """The run's resident rollout engines (started on first use)."""
@@ -101,13 +139,14 @@ class RunSession:
         return held
 
     # ---- background set-up ---------------------------------------------------------------------
-    def start_background(self, name: str, fn) -> None:
+    def start_background(self, name: str, fn, at_compute: bool = False) -> None:
         """Run `fn()` in the background now (set-up that may overlap what the run does next, e.g.
         the first update's DeepSpeed set-up at one rank while the first rollout samples in its
         engine's own process; the step loop's prune of old weights), after the earlier work of
         the same name; join_background waits for it. Each name has one thread for the run, started
         with its first work: starting a thread waits for it to take Python's GIL (1.5 ms a step
-        for the prune beside the update's commit). A failure is only printed: the work it did
+        for the prune beside the update's commit). With at_compute the work waits for the next
+        compute_starts() (or a join_background of it). A failure is only printed: the work it did
         ahead is then done where it is needed."""
         def work():
             threading.current_thread().name = f"background-{name}"
@@ -117,23 +156,34 @@ class RunSession:
                 print(f"background {name} failed ({type(exc).__name__}: {exc}); its work is done when "
                       f"needed", flush=True)
 
-        entry = self._background.get(name)
-        if entry is None:
-            entry = self._background[name] = [ThreadPoolExecutor(max_workers=1), None]
-        entry[1] = entry[0].submit(work)
+        def submit():
+            entry = self._background.get(name)
+            if entry is None:
+                entry = self._background[name] = [ThreadPoolExecutor(max_workers=1), None]
+            entry[1] = entry[0].submit(work)
+
+        if at_compute:  # when the next compute starts (compute_starts), or when it is waited for
+            self._hold(("background", name), submit)
+        else:
+            self._start_held(("background", name))
+            submit()
 
     def join_background(self, name: str | None = None) -> None:
         """Wait for the background work `name` (None: all of it) given so far."""
-        for key in [name] if name is not None else list(self._background):
+        held = {key[1] for key, _ in list(self._held) if key[0] == "background"}
+        for key in [name] if name is not None else held | set(self._background):
+            self._start_held(("background", key))
             entry = self._background.get(key)
             if entry is not None and threading.current_thread().name != f"background-{key}":
                 entry[1].result()  # its executor ran the earlier ones first
 
     # ---- background commits -------------------------------------------------------------------
-    def defer(self, stage: str, step: int, fingerprint: str, commit, local_weights=None) -> None:
+    def defer(self, stage: str, step: int, fingerprint: str, commit, local_weights=None,
+              at_compute: bool = False) -> None:
         """Run `commit()` (uploads, then the stage's manifest) in a thread; storage errors the
         retry policy accepts are retried (retries, doubling delays). `local_weights`: a local
-        folder holding the weights of `step` until they are in the store."""
+        folder holding the weights of `step` until they are in the store. at_compute: the thread
+        starts at the next compute_starts() (or when the commit is waited for), not now."""
         entry = {"fingerprint": fingerprint, "error": None, "local_weights": local_weights}
 
         def work():
@@ -154,7 +204,10 @@ class RunSession:
 
         entry["thread"] = threading.Thread(target=work, name=f"commit-{stage}-{step}", daemon=True)
         self._pending[(stage, step)] = entry
-        entry["thread"].start()
+        if at_compute:
+            self._hold(("commit", stage, step), entry["thread"].start)
+        else:
+            entry["thread"].start()
 
     def pending_fingerprint(self, step: int, stage: str) -> str | None:
         """The fingerprint a stage is committing in the background (None: nothing pending)."""
@@ -174,6 +227,7 @@ class RunSession:
         entry = self._pending.get((stage, step))
         if entry is None:
             return
+        self._start_held(("commit", stage, step))
         entry["thread"].join()
         if entry["error"] is not None:
             self.wait_commits()  # raises, naming it (and leaves nothing pending)
@@ -183,6 +237,7 @@ class RunSession:
         """Wait for every background commit; raise DeferredCommitError for a failed one."""
         failed = []
         for key, entry in list(self._pending.items()):
+            self._start_held(("commit", *key))
             entry["thread"].join()
             self._pending.pop(key, None)
             if entry["error"] is not None:

@@ -129,7 +129,9 @@ def commit_later(ctx, work: Path, results: list, commit, launch_s: float, handof
     and that reader waits for the commit. The stage's metrics are returned at once. The next rollout waits
     for this commit before writing its own manifest, so a committed step k+1 always has a
     committed update k; a crash before the commit leaves update k incomplete and a resume runs it
-    again (from the newest stored train state, replaying the updates after it)."""
+    again (from the newest stored train state, replaying the updates after it). At staleness 0 the
+    commit's thread starts when the next step's generation does (RunSession.compute_starts), so
+    its Python does not slow the short stages before it."""
     fingerprint = stage_fingerprint(ctx)
     if handoff is not None:
         local, hashes = Path(handoff["dir"]), None
@@ -141,7 +143,7 @@ def commit_later(ctx, work: Path, results: list, commit, launch_s: float, handof
         local = adopt_folder(work / "actor_hf", hashes[1], cache) or Path(cache) / "folders" / hashes[1]
     mismatch = engine_mismatch(ctx, results)  # once: the commit's metrics reuse it
     ctx.session.defer(STAGE, ctx.step, fingerprint, partial(commit, actor_hashes=hashes, mismatch=mismatch),
-                      local_weights=local)
+                      local_weights=local, at_compute=not ctx.staleness())
     metrics = build_metrics(results, launch_s=launch_s, upload_s=0.0, handoff=handoff)
     metrics.update(mismatch)
     scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -96,6 +96,45 @@ def test_the_step_loop_prunes_in_the_background(tmp_path):
     assert not threads[0].is_alive()  # the session's close ended it
 
 
+def test_work_held_for_the_next_compute_starts_there_or_when_it_is_waited_for(tmp_path):
+    """RunSession.defer(..., at_compute=True) and start_background(..., at_compute=True) start
+    nothing until a stage calls compute_starts() (which also calls the on_compute functions, in
+    the stage's thread), or until the work is waited for: a held commit by wait_commit /
+    wait_commits (a reader of the update's weights, the run's end), held background work by
+    join_background; held work of one name runs in the order it was given."""
+    import threading
+
+    from stages.session import RunSession
+
+    ran, calls = [], []
+    with RunSession() as session:
+        session.on_compute("probe", lambda: calls.append(threading.current_thread().name))
+        session.defer("update", 1, "fp1", lambda: ran.append("commit 1"), at_compute=True)
+        session.start_background("prune", lambda: ran.append("prune a"), at_compute=True)
+        session.start_background("prune", lambda: ran.append("prune b"), at_compute=True)
+        threading.Event().wait(0.2)
+        assert ran == [] and calls == [] and session.pending_fingerprint(1, "update") == "fp1"
+        session.compute_starts()
+        session.wait_commit("update", 1)
+        session.join_background("prune")
+        assert sorted(ran) == ["commit 1", "prune a", "prune b"] and ran.index("prune a") < ran.index("prune b")
+        assert calls == ["MainThread"] and session.pending_fingerprint(1, "update") is None
+
+        session.defer("update", 2, "fp2", lambda: ran.append("commit 2"), at_compute=True)
+        session.start_background("prune", lambda: ran.append("prune c"), at_compute=True)
+        session.wait_commit("update", 2)  # no compute started: waiting for it starts it
+        session.join_background("prune")
+        assert ran[-2:] == ["commit 2", "prune c"] and calls == ["MainThread"]
+
+        session.defer("update", 3, "fp3", lambda: ran.append("commit 3"), at_compute=True)
+        session.on_compute("probe", None)
+        session.compute_starts()
+        session.wait_commits()
+        assert ran[-1] == "commit 3" and calls == ["MainThread"]  # removed: not called again
+        session.defer("update", 4, "fp4", lambda: ran.append("commit 4"), at_compute=True)
+    assert ran[-1] == "commit 4"  # the session's close waits for held commits too
+
+
 def test_a_prune_cut_short_leaves_no_committed_folder_with_files_missing(tmp_path, monkeypatch):
     """A run killed while it prunes old weights (the folder half deleted: here the store's backend
     stops after removing the weights file, as a SIGKILL would) leaves that folder uncommitted, not

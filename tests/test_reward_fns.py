@@ -307,3 +307,34 @@ def test_score_batch_refuses_a_pool_made_for_other_settings(reward_file):
         with pytest.raises(ValueError, match=r"reward.timeout_s 1 \(pool: 5.0\)"):
             score_batch([make_row(0, "1", "1")], {"path": reward_file}, num_workers=2, timeout_s=1, pool=pool)
         assert pool.worker_pids == []
+
+
+def test_reward_file_digest_is_read_again_only_when_the_file_changed(tmp_path, monkeypatch):
+    """reward_file_sha256 keeps a file's digest by its stat (the reward stage asks three times a
+    step), reads it again once the file changes, and never keeps one of a file changed less than
+    RACY_S before it was read (an edit within the same clock tick keeps mtime and may keep size)."""
+    import hashlib
+
+    from stages.scoring import reward_fns
+
+    path = tmp_path / "r.py"
+    path.write_text("A = 1\n")
+    reads = []
+    real_open = open
+
+    def counting_open(file, *a, **k):
+        if str(file) == str(path):
+            reads.append(file)
+        return real_open(file, *a, **k)
+    monkeypatch.setattr(reward_fns, "open", counting_open, raising=False)
+    digest = hashlib.sha256(b"A = 1\n").hexdigest()
+    assert reward_fns.reward_file_sha256(str(path)) == digest
+    assert reward_fns.reward_file_sha256(str(path)) == digest and len(reads) == 2  # fresh: not kept
+    old = time.time() - 60
+    os.utime(path, (old, old))  # written a minute ago (ctime moves now: kept from the next read on)
+    monkeypatch.setattr(reward_fns, "RACY_S", -120.0)
+    assert reward_fns.reward_file_sha256(str(path)) == digest and len(reads) == 3
+    assert reward_fns.reward_file_sha256(str(path)) == digest and len(reads) == 3  # kept: not read
+    path.write_text("A = 2\n")  # same size, same second: ctime and mtime in ns still move
+    assert reward_fns.reward_file_sha256(str(path)) == hashlib.sha256(b"A = 2\n").hexdigest()
+    assert len(reads) == 4 and reward_fns.reward_file_sha256(str(tmp_path / "none.py")) is None

@@ -73,6 +73,7 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     pool = getattr(session, "rank_pool", None)
     if world == 1:
         if pool is not None and pool.world == 1 and pool.device == str(device):
+            session.compute_starts()  # this process waits while the rank computes
             return pool.submit(module, ctx, timeout_s=timeout_s)
         if session is not None:  # the run's one-rank set-up ahead (flows.train prepare_update)
             session.join_background(IN_PROCESS_PREPARE)
@@ -89,7 +90,10 @@ def run_ranks(module: str, ctx, world: int, device: str = "cpu", timeout_s: floa
     if (pool is not None and pool.world == world and pool.device == str(device)
             and (pool_hostfile is None if launcher == "torchrun" else
                  pool_hostfile is not None and str(pool_hostfile) == str(hostfile))):
+        session.compute_starts()  # this process waits while the ranks compute
         return pool.submit(module, ctx, timeout_s=timeout_s)
+    if session is not None:
+        session.compute_starts()  # this process waits while the launched ranks compute
     with tempfile.TemporaryDirectory(prefix=scratch_prefix("ranks")) as tmp_name:
         tmp = Path(tmp_name)
         ctx_file = tmp / "ctx.json"

@@ -13,7 +13,9 @@ import hashlib
 import importlib.util
 import math
 import os
+import stat
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from functools import partial
@@ -73,13 +75,32 @@ def load_reward_fn(spec: "RewardFnSpec | Mapping | None") -> Callable[..., Any]:
 _IMPORTED: dict = {}  # path -> (sha256 of the file's bytes, its module): imported again when it changes
 
 
+_DIGESTS: dict = {}  # path -> (the file's stat when it was read, its sha256)
+RACY_S = 2.0  # a file changed this recently is read again: an edit within its clock tick keeps mtime
+
+
 def reward_file_sha256(path: str | None) -> str | None:
     """SHA-256 of a reward file's content; None when there is no such file. What the reward
-    stage's fingerprint, the scorer pool's restart and the import below key on."""
-    if path is None or not os.path.isfile(path):
+    stage's fingerprint, the scorer pool's restart and the import below key on. Read again only
+    when the file's stat changed (inode, size, mtime and ctime in ns; ctime moves with any write
+    and cannot be set back) or it was changed less than RACY_S before it was last read (git's
+    "racily clean" rule): the reward stage asks three times a step."""
+    try:
+        st = os.stat(path) if path is not None else None
+    except OSError:
         return None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        return None
+    sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    known = _DIGESTS.get(path)
+    if known is not None and known[0] == sig:
+        return known[1]
+    read_at = time.time()
     with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
+        digest = hashlib.sha256(fh.read()).hexdigest()
+    if read_at - max(st.st_mtime_ns, st.st_ctime_ns) / 1e9 > RACY_S:
+        _DIGESTS[path] = (sig, digest)
+    return digest
 
 
 def _import_file(path: str):

@@ -446,6 +446,8 @@ def rank_main(ctx, rank: int, world: int) -> dict:
     if job is None:  # no engine kept from step k-1: the newest stored state, then a replay
         job, replayed = restore_job(ctx, rank, world, rank_device(device))
     t2 = time.perf_counter()
+    if ctx.session is not None:  # the train loop starts in this process (one rank, or a pool's rank)
+        ctx.session.compute_starts()
     out = job.train_step(ctx)
     t3 = time.perf_counter()
     trained_at = time.time()
