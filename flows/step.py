@@ -45,9 +45,10 @@ STAGES_ENV = "STAGERL_STAGES"  # package holding the stage modules (default: sta
 REMOTE_STAGES = ("rollout", "update")
 ON_UPDATE_DEPLOYMENT = ("logprob",)  # N-rank stages run by the update deployment, on its pool
 STAGE_MODULES = {"warmstart": "model.warmstart"}  # stages whose module is not at the package's top
-# Stages whose deployment's start releases the Prefect events held since the last one
-# (flows/task_events.py): generation or the train loop follows, elsewhere. A stage run here
-# releases them itself where its compute starts (RunSession.compute_starts).
+# Stages whose start releases the Prefect events held since the last one (flows/task_events.py):
+# generation or the train loop follows. Where the pacer is released by the session instead (its
+# stages call RunSession.compute_starts where that compute starts: trainer.staleness 0), only a
+# stage run as a deployment, elsewhere, releases them at its start.
 RELEASE_EVENTS_AT = ("rollout", "update")
 
 
@@ -146,7 +147,7 @@ def execute_stage(stage: str, run: RunHandle, step: int, extra: dict | None = No
     if manifest and manifest.get("fingerprint") == fingerprint:
         message = f"skipped: {stage} of step {step} is complete (fingerprint {fingerprint[:12]})"
         return Completed(name="Cached", message=message, data=summarize(manifest, skipped=True))
-    if deployment and stage in RELEASE_EVENTS_AT and run.events is not None:
+    if stage in RELEASE_EVENTS_AT and run.events is not None and (deployment or not run.events.by_session):
         run.events.release()
     t0, started_at = time.perf_counter(), time.time()
     if deployment:

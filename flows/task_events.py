@@ -47,6 +47,7 @@ class EventPacer:
         self.held: list = []  # (context, event)
         self.sent = 0  # events handed to the worker, over the pacer's life
         self.closed = False
+        self.by_session = False  # released by a RunSession's compute_starts (paced_task_events)
         self._send = worker.send  # the worker's own
         self._since = 0.0  # when the oldest held event came (time.monotonic)
         self._lock = threading.Lock()  # the held list
@@ -110,7 +111,8 @@ class EventPacer:
 @contextlib.contextmanager
 def paced_task_events(cfg: dict, session=None):
     """Within: the events this process emits are held by an EventPacer (yielded; released when
-    `session`'s stages start a long compute: RunSession.on_compute), when
+    `session`'s stages start a long compute: RunSession.on_compute; without a session, by the
+    caller: flows.step.execute_stage where a rollout or update starts), when
     orchestration.task_events_hold_s > 0 and the API is a self-hosted server; else yields None
     and changes nothing. On exit the held events are handed to Prefect's events worker and sent."""
     hold_s = float((cfg.get("orchestration") or {}).get("task_events_hold_s") or 0.0)
@@ -120,6 +122,7 @@ def paced_task_events(cfg: dict, session=None):
     pacer = EventPacer(hold_s, EventsWorker.instance()).start()
     if session is not None:
         session.on_compute(ON_COMPUTE, pacer.release)
+        pacer.by_session = True
     try:
         yield pacer
     finally:

@@ -170,10 +170,12 @@ PRUNE = "prune-weights"
 def prune_in_background(session, store: Store, layout: RunLayout, latest: int, cfg: dict) -> None:
     """prune_weights in the session's background thread (after the previous prune has ended), off
     the step's critical path (a listing and a folder's removal, 2-4 ms a step at small scale),
-    from when the next compute starts (RunSession.compute_starts: the next generation). A
+    at trainer.staleness 0 from when the next compute starts (RunSession.compute_starts: the next
+    generation). A
     prune that fails is reported and done again by the next one; finish_run prunes once more
     after the last commit."""
-    session.start_background(PRUNE, lambda: prune_weights(store, layout, latest, cfg), at_compute=True)
+    at_compute = not int(cfg["trainer"].get("staleness") or 0)  # pipelined steps: at once, as the commit
+    session.start_background(PRUNE, lambda: prune_weights(store, layout, latest, cfg), at_compute=at_compute)
 
 
 # ---- logging --------------------------------------------------------------------------------
@@ -245,8 +247,9 @@ def train(config: str = "base", overrides: list[str] = [], experiment_name: str 
         print(f"run {run.uri}: {total} steps ({dataset.steps_per_epoch} per epoch), "
               f"{plan['rows_per_step']} rows per step", flush=True)
         name_flow_run(store, layout, total, fork)
-        with completed_stage_lines(cfg), paced_task_events(cfg, session) as events:
-            run.events = events  # released where a stage computes (and a deployment's rollout or update starts)
+        pipelined = int(cfg["trainer"].get("staleness") or 0) > 0  # steps overlap: no window between computes
+        with completed_stage_lines(cfg), paced_task_events(cfg, None if pipelined else session) as events:
+            run.events = events  # released where a stage computes, or where a rollout or update starts
             before_first_step(run, cfg, plan, dataset, total, sinks)
             done, ran, last = run_steps(run, cfg, store, layout, dataset, total, sinks, lock)
         return finish_run(run, cfg, store, layout, total, done, ran, last)

@@ -189,12 +189,12 @@ def sample_prompts(ctx, prompts, sampling: Sampling, model_dir, tokenizer, purpo
     engines = rollout_engines(ctx)
     uids = [_uid(ctx.step, position_offset + i, p) for i, p in enumerate(prompts)]
     trajectories = None
+    if ctx.session is not None:  # generation starts (here, or in the engine workers)
+        ctx.session.compute_starts()
     if multi_turn(ctx):
         gens, trajectories = _agent_loops(ctx, prompts, prompt_ids, uids, base, sampling, options, engine,
                                           engines, tokenizer)
     else:
-        if ctx.session is not None:  # generation starts (here, or in the engine workers)
-            ctx.session.compute_starts()
         gens = engines.generate(engine, prompt_ids, seeds, sampling, options)
     engines.sleep()  # GPU + rollout.free_cache_engine: the update gets the memory back
 
